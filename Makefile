@@ -1,0 +1,44 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Everything else is for developers.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint e2e e2e-venv bench bench-proxy typecheck fmt clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/warmroute demo
+
+# Fast suite: unit + integration (real Redis and local upstream servers; no vLLM).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not e2e" tests
+
+# End-to-end suite against real vLLM engines on the CPU (builds the engine venv once).
+e2e-venv:
+	bash tests/e2e/venv.sh
+
+e2e: $(STAMP) e2e-venv
+	$(BIN)/python -m pytest -q -m e2e tests/e2e
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+fmt: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench-proxy: $(STAMP)
+	$(BIN)/python -m gateway.bench_proxy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,77 @@
+"""Registry of configured backends, their states and their in-flight counts.
+
+Single-threaded by design (one event loop): counters are plain ints mutated without awaits in between.
+The registry knows nothing of routing rules; it produces ``Candidate`` snapshots for ``routing`` to decide on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from config.settings import BackendConfig
+from routing.types import BackendState, Candidate
+
+
+@dataclass(slots=True)
+class Backend:
+    cfg: BackendConfig
+    state: BackendState = BackendState.STARTING
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    last_checked: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.cfg.id
+
+
+@dataclass(slots=True)
+class Lease:
+    """One request's claim on a backend's capacity. ``release`` is idempotent."""
+
+    backend: Backend
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.backend.in_flight -= 1
+
+
+class Registry:
+    def __init__(self, configs: Iterable[BackendConfig]) -> None:
+        self.backends: dict[str, Backend] = {c.id: Backend(c) for c in configs}
+        self._by_model: dict[str, list[Backend]] = {}
+        for b in self.backends.values():
+            for model in b.cfg.models:
+                self._by_model.setdefault(model, []).append(b)
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def serves(self, model: str) -> bool:
+        return model in self._by_model
+
+    def for_model(self, model: str | None) -> list[Backend]:
+        if model is None:
+            return list(self.backends.values())
+        return self._by_model.get(model, [])
+
+    def snapshot(self, model: str | None, conversations: Mapping[str, int]) -> tuple[Candidate, ...]:
+        return tuple(
+            Candidate(b.id, b.state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)
+            for b in self.for_model(model)
+        )
+
+    def lease(self, backend_id: str) -> Lease:
+        b = self.backends[backend_id]
+        b.in_flight += 1
+        return Lease(b)
+
+    def any_ready(self) -> bool:
+        return any(b.state is BackendState.READY for b in self.backends.values())
+
+    def total_in_flight(self) -> int:
+        return sum(b.in_flight for b in self.backends.values())

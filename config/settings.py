@@ -1,0 +1,169 @@
+"""Settings schema: one YAML file plus ``WARMROUTE_*`` environment overrides.
+
+Environment variables win over the file. Nested fields use a double underscore:
+``WARMROUTE_ROUTING__POLICY=least_loaded``; lists take JSON (``WARMROUTE_BACKENDS='[...]'``).
+Settings are loaded once (``load_settings``) and passed down; nothing reads them at import time.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class Dialect(StrEnum):
+    """How an engine spells the fields we shape (thinking budgets, reasoning output)."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    OPENAI = "openai"
+
+
+class PolicyName(StrEnum):
+    AFFINITY = "affinity"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendConfig(_Section):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
+    models: tuple[str, ...] = Field(min_length=1)
+    weight: float = Field(default=1.0, gt=0)
+    dialect: Dialect = Dialect.OPENAI
+    api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        v = v.rstrip("/")
+        return v.removesuffix("/v1")
+
+
+class RoutingConfig(_Section):
+    policy: PolicyName = PolicyName.AFFINITY
+    session_header: str = Field(default="x-session-id", min_length=1)
+    affinity_ttl_s: float = Field(default=3600.0, gt=0)
+    affinity_max_entries: int = Field(default=500_000, ge=1)
+    spill_factor: float = Field(
+        default=2.0, gt=1, description="Spill when the pinned load exceeds this times the others' mean"
+    )
+    spill_min_in_flight: int = Field(
+        default=4, ge=1, description="Never spill a backend with fewer requests in flight than this"
+    )
+    repin_on_spill: bool = Field(default=False, description="Move the pin when a turn spills")
+    completion_key_chars: int = Field(
+        default=512, ge=16, description="Leading prompt characters that key a /v1/completions conversation"
+    )
+
+
+class TimeoutConfig(_Section):
+    connect_s: float = Field(default=5.0, gt=0)
+    first_byte_s: float = Field(default=600.0, gt=0, description="Upstream response headers")
+    read_s: float = Field(default=300.0, gt=0, description="Longest silence between streamed chunks")
+    request_s: float = Field(default=1800.0, gt=0, description="Whole request, stream included")
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_connections: int = Field(default=1024, ge=1, description="Upstream connection pool size")
+
+
+class HealthConfig(_Section):
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    path: str = "/health"
+    fail_threshold: int = Field(default=2, ge=1, description="Consecutive failures that mark a backend down")
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1)
+    log_level: str = "info"
+
+
+class RedisConfig(_Section):
+    """Shared state for several workers or replicas. ``url: null`` keeps state in memory."""
+
+    url: str | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WARMROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    backends: tuple[BackendConfig, ...] = ()
+    routing: RoutingConfig = RoutingConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    limits: LimitsConfig = LimitsConfig()
+    health: HealthConfig = HealthConfig()
+    server: ServerConfig = ServerConfig()
+    redis: RedisConfig = RedisConfig()
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Settings:
+        seen: set[str] = set()
+        for b in self.backends:
+            if b.id in seen:
+                raise ValueError(f"duplicate backend id {b.id!r}")
+            seen.add(b.id)
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: it overrides what the YAML file (passed as init kwargs) says.
+        return env_settings, init_settings
+
+
+class ConfigError(Exception):
+    """A configuration that cannot start; the message names the offending field."""
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Read ``path`` (YAML) and the environment into ``Settings``, or raise ``ConfigError``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded or {}
+    data.update(overrides)
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from exc
+
+
+def _describe(exc: ValidationError, path: str | Path | None) -> str:
+    where = f" in {path}" if path else ""
+    lines = [f"invalid configuration{where}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""``create_app(settings)``: wires the registry, state store, policy, proxy, routes and lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backends.health import HealthChecker
+from backends.registry import Registry
+from config.settings import Settings, load_settings
+from gateway.endpoints import ChatCompletions, Completions, Passthrough
+from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
+from gateway.metrics import Metrics
+from gateway.proxy import Proxy
+from gateway.state import AffinityStore, MemoryAffinityStore
+from routing.policies import make_policy
+
+log = logging.getLogger("warmroute")
+
+CONFIG_ENV = "WARMROUTE_CONFIG_FILE"
+
+
+class Gateway:
+    """Everything one gateway process owns. Built once from settings; no module-level state."""
+
+    def __init__(self, settings: Settings, store: AffinityStore | None = None) -> None:
+        self.settings = settings
+        self.registry = Registry(settings.backends)
+        self.metrics = Metrics(self.registry)
+        self.store: AffinityStore = store or make_store(settings)
+        self.policy = make_policy(settings.routing)
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(
+                max_connections=settings.limits.max_connections,
+                max_keepalive_connections=settings.limits.max_connections,
+            ),
+            follow_redirects=False,
+        )
+        self.health = HealthChecker(self.registry, self.client, settings.health)
+        self.proxy = Proxy(
+            settings, self.registry, self.store, self.policy, self.client, self.health, self.metrics
+        )
+        self.created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        # 1. Probe every backend once so a healthy cluster takes traffic as soon as we listen.
+        await self.health.check_all()
+        # 2. Keep probing in the background.
+        checker = asyncio.create_task(self.health.run(), name="warmroute-health")
+        try:
+            yield
+        finally:
+            # 3. Stop probing, then close upstream connections and the state store.
+            checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checker
+            await self.client.aclose()
+            await self.store.aclose()
+
+
+def make_store(settings: Settings) -> AffinityStore:
+    if settings.redis.url is None:
+        return MemoryAffinityStore(settings.routing)
+    raise NotImplementedError("shared state in Redis is not available in this build")
+
+
+def create_app(settings: Settings, store: AffinityStore | None = None) -> Starlette:
+    gw = Gateway(settings, store)
+    max_body = settings.limits.max_body_bytes
+
+    async def models(_request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(m, gw.created) for m in gw.registry.models()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if not gw.registry.serves(name):
+            raise ModelNotFound(f"model {name!r} is not served here", param="model")
+        return JSONResponse(_model_card(name, gw.created))
+
+    async def healthz(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(_request: Request) -> Response:
+        backends = {
+            b.id: {"state": b.state.value, "in_flight": b.in_flight, "last_error": b.last_error}
+            for b in gw.registry.backends.values()
+        }
+        ready = gw.registry.any_ready()
+        body = {"ready": ready, "backends": backends, "shared_state": gw.store.status()}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def metrics(_request: Request) -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/chat/completions", ChatCompletions(gw.proxy, settings.routing, max_body), methods=["POST"]),
+        Route("/v1/completions", Completions(gw.proxy, settings.routing, max_body), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/v1/{rest:path}", Passthrough(gw.proxy, settings.routing, max_body)),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=gw.lifespan,
+        exception_handlers={HTTPException: _http_error, GatewayError: _gateway_error, Exception: _unexpected},
+    )
+    app.state.gateway = gw
+    return app
+
+
+def create_app_from_env() -> Starlette:
+    """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
+    return create_app(load_settings(os.environ.get(CONFIG_ENV)))
+
+
+def _model_card(name: str, created: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "warmroute"}
+
+
+async def _gateway_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return Response(exc.body(), status_code=exc.status, media_type="application/json")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        err: GatewayError = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+    elif exc.status_code == 404:
+        err = NotFound(f"no route for {request.method} {request.url.path}")
+    else:
+        err = GatewayError(str(exc.detail))
+        err.status = exc.status_code
+    return await _gateway_error(request, err)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return await _gateway_error(request, GatewayError("internal error in the gateway; see its log"))

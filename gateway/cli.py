@@ -1,0 +1,80 @@
+"""``warmroute`` command line: serve | sim | demo | bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import uvicorn
+
+from config.settings import ConfigError, load_settings
+
+#: Subcommands implemented elsewhere, imported only when used: name -> (module, help).
+_DELEGATES: dict[str, tuple[str, str]] = {
+    "sim": ("backends.sim.cli", "run a simulated OpenAI-compatible engine (no GPU needed)"),
+    "demo": ("gateway.demo", "3 simulated engines + the gateway + a short multi-turn workload"),
+    "bench": ("gateway.bench", "replay a multi-turn agent workload and compare routing policies"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in _DELEGATES:
+        module = importlib.import_module(_DELEGATES[args[0]][0])
+        entry: Callable[[list[str]], int] = module.main
+        return entry(args[1:])
+    parser = argparse.ArgumentParser(prog="warmroute", description="Conversation-affinity LLM gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", "-c", help="YAML settings file (env WARMROUTE_* overrides it)")
+    serve.add_argument("--host", help="overrides server.host")
+    serve.add_argument("--port", type=int, help="overrides server.port")
+    serve.add_argument("--workers", type=int, help="overrides server.workers (several need redis.url)")
+    for name, (_module, help_text) in _DELEGATES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    ns = parser.parse_args(args)
+    return _serve(ns)
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(ns.config)
+    except ConfigError as exc:
+        print(f"warmroute: {exc}", file=sys.stderr)
+        return 2
+    server = settings.server
+    host = ns.host or server.host
+    port = ns.port if ns.port is not None else server.port
+    workers = ns.workers or server.workers
+    if not settings.backends:
+        print("warmroute: no backends configured (add a 'backends:' list to the config)", file=sys.stderr)
+        return 2
+    if workers > 1 and settings.redis.url is None:
+        print(
+            "warmroute: --workers > 1 needs redis.url, or each worker keeps its own affinity table "
+            "and one conversation's turns scatter across engines",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.config:
+        os.environ["WARMROUTE_CONFIG_FILE"] = os.path.abspath(ns.config)
+    uvicorn.run(
+        "gateway.app:create_app_from_env",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=server.log_level,
+        server_header=False,
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""One error hierarchy, rendered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Foreign exceptions (httpx, json) are translated into these at the boundary where they occur.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidJSON(BadRequest):
+    code = "invalid_json"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class NoHealthyBackend(GatewayError):
+    status = 503
+    code = "no_healthy_backend"
+
+
+class UpstreamError(GatewayError):
+    """The engine could not be reached or broke before answering."""
+
+    status = 502
+    code = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()

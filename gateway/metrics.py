@@ -1,0 +1,78 @@
+"""All Prometheus collectors, in one place, on a per-app registry (several apps can share a process).
+
+Label values come only from enums and configuration (backend ids, reasons), never from client input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from backends.registry import Registry
+from routing.types import BackendState, Reason
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self, backends: Registry) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.decisions = Counter(
+            "warmroute_routing_decisions_total", "Routing decisions by reason", ["reason"], registry=r
+        )
+        self.upstream = Counter(
+            "warmroute_upstream_requests_total",
+            "Upstream requests by backend and outcome",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            "warmroute_upstream_first_byte_seconds",
+            "Time from routing to the first response byte from the engine (TTFT when streaming)",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "warmroute_request_duration_seconds",
+            "Whole proxied request, stream included",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "warmroute_shared_state_degraded", "1 while the shared state store is unreachable", registry=r
+        )
+        r.register(_BackendCollector(backends))
+        self._decision_children = {reason: self.decisions.labels(reason.value) for reason in Reason}
+
+    def decision(self, reason: Reason) -> None:
+        self._decision_children[reason].inc()
+
+    def upstream_outcome(self, backend: str, outcome: str) -> None:
+        self.upstream.labels(backend, outcome).inc()
+
+
+class _BackendCollector(Collector):
+    """Reads live backend state at scrape time instead of mirroring it into gauges on every change."""
+
+    def __init__(self, backends: Registry) -> None:
+        self.backends = backends
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "warmroute_backend_in_flight", "Requests in flight per backend (this process)", labels=["backend"]
+        )
+        state = GaugeMetricFamily(
+            "warmroute_backend_state", "1 for the backend's current state", labels=["backend", "state"]
+        )
+        for b in self.backends.backends.values():
+            in_flight.add_metric([b.id], b.in_flight)
+            for s in BackendState:
+                state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
+        yield in_flight
+        yield state

@@ -1,0 +1,106 @@
+"""Conversation keys: the same chat gets the same key on turn 1 and turn N, with no client help.
+
+The key is xxh3-128 over the model and the conversation's stable head: tool definitions, the leading
+system/developer messages and the first user message. Later turns only append, so the head — and the key —
+stay put. An explicit session id, when the client sends one, replaces all of that.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import xxhash
+
+_SEP = b"\x1f"  # unit separator between fields; lengths are hashed too, so no two inputs collide by framing
+
+
+def session_key(model: str, session_id: str) -> str:
+    h = xxhash.xxh3_128()
+    _field(h, b"session")
+    _field(h, model.encode())
+    _field(h, session_id.encode())
+    return h.hexdigest()
+
+
+def chat_key(body: Mapping[str, Any]) -> str:
+    """Key of a chat-completions body. ``body`` must already be validated (model str, messages list)."""
+    h = xxhash.xxh3_128()
+    _field(h, b"chat")
+    _field(h, str(body["model"]).encode())
+    tools = body.get("tools")
+    if tools:
+        _field(h, json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
+    for msg in head_messages(body["messages"]):
+        _field(h, str(msg.get("role", "")).encode())
+        for part in canonical_parts(msg.get("content")):
+            _field(h, part)
+    return h.hexdigest()
+
+
+def completion_key(model: str, prompt: Any, chars: int) -> str:
+    """Key of a completions body: the prompt's leading ``chars`` characters (or ``chars // 4`` token ids).
+
+    Prompts shorter than the block are keyed whole, so a short first turn and its longer follow-up can key
+    differently; short prompts are cheap to prefill, so little is lost.
+    """
+    h = xxhash.xxh3_128()
+    _field(h, b"completion")
+    _field(h, model.encode())
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: key by its first prompt
+    if isinstance(prompt, str):
+        _field(h, prompt[:chars].encode())
+    elif isinstance(prompt, list):
+        _field(h, ",".join(str(t) for t in prompt[: max(1, chars // 4)]).encode())
+    return h.hexdigest()
+
+
+def head_messages(messages: list[Any]) -> list[Mapping[str, Any]]:
+    """The leading system/developer messages and the first user message (everything up to it)."""
+    head: list[Mapping[str, Any]] = []
+    for msg in messages:
+        if not isinstance(msg, Mapping):
+            continue
+        head.append(msg)
+        if msg.get("role") == "user":
+            break
+    return head
+
+
+def canonical_parts(content: Any) -> list[bytes]:
+    """Content as hashable parts: a plain string and a single text part hash alike; images by URL/data."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [b"t" + content.encode()]
+    if not isinstance(content, list):
+        return [b"j" + json.dumps(content, sort_keys=True).encode()]
+    parts: list[bytes] = []
+    for part in content:
+        if not isinstance(part, Mapping):
+            parts.append(b"j" + json.dumps(part, sort_keys=True).encode())
+            continue
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(b"t" + str(part.get("text", "")).encode())
+        elif kind == "image_url":
+            parts.append(b"i" + _image_identity(part.get("image_url")))
+        else:
+            parts.append(b"j" + json.dumps(part, sort_keys=True).encode())
+    return parts
+
+
+def _image_identity(image_url: Any) -> bytes:
+    url = image_url.get("url", "") if isinstance(image_url, Mapping) else str(image_url or "")
+    if url.startswith("data:"):
+        # Inline images can be megabytes: hash the payload, don't keep it around.
+        return b"d" + xxhash.xxh3_128_digest(url.encode())
+    return b"u" + url.encode()
+
+
+def _field(h: Any, data: bytes) -> None:
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+    h.update(_SEP)

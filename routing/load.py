@@ -1,0 +1,33 @@
+"""Load view over candidates: who is least loaded, with a deterministic, key-spread tie-break."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import xxhash
+
+from routing.types import Candidate
+
+
+def routable(candidates: Iterable[Candidate], exclude: frozenset[str] = frozenset()) -> list[Candidate]:
+    return [c for c in candidates if c.routable and c.id not in exclude]
+
+
+def tie_break(key: str, backend: str) -> int:
+    """Rendezvous hash: equal loads resolve the same way on every replica, but differently per key."""
+    return xxhash.xxh3_64_intdigest(backend.encode(), seed=xxhash.xxh3_64_intdigest(key.encode()))
+
+
+def least_loaded(candidates: Iterable[Candidate], key: str) -> Candidate | None:
+    """Fewest (conversations + in-flight) per unit of weight; ties go by ``tie_break``."""
+    best: Candidate | None = None
+    best_rank: tuple[float, int] = (0.0, 0)
+    for c in candidates:
+        rank = (c.load, tie_break(key, c.id))
+        if best is None or rank < best_rank:
+            best, best_rank = c, rank
+    return best
+
+
+def in_flight_per_weight(c: Candidate) -> float:
+    return c.in_flight / c.weight

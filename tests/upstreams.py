@@ -1,0 +1,147 @@
+"""Test servers on 127.0.0.1: a small fake OpenAI engine and a helper that runs any ASGI app in a thread.
+
+The fake engine is deliberately dumb; the engine simulator (backends/sim) and real vLLM (tests/e2e) are the
+realistic upstreams. This one exists to script failures precisely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+
+@contextlib.contextmanager
+def serve(app: ASGIApp, port: int = 0) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Run ``app`` under uvicorn in a daemon thread; yields (base_url, server)."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{bound}", server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@dataclass
+class FakeEngine:
+    """Scriptable OpenAI-ish engine. Counters are read by tests from another thread (ints: atomic enough)."""
+
+    name: str
+    models: tuple[str, ...] = ("m",)
+    chunks: int = 3
+    chunk_delay_s: float = 0.0
+    fail_next: int = 0  # answer 500 to the next N generation requests
+    die_after: int | None = None  # break the connection after this many streamed chunks
+    stall_s: float = 0.0  # wait this long before answering
+    healthy: bool = True
+    gate: threading.Event | None = None  # if set, the stream waits on it after the first chunk
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    active: int = 0
+    cancelled: int = 0
+    completed: int = 0
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/health", self._health),
+                Route("/v1/models", self._models),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._chat, methods=["POST"]),
+                Route("/v1/embeddings", self._embeddings, methods=["POST"]),
+            ]
+        )
+
+    async def _health(self, _request: Request) -> Response:
+        return Response(status_code=200 if self.healthy else 503)
+
+    async def _models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def _embeddings(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        return JSONResponse({"object": "list", "data": [{"embedding": [0.1], "index": 0}], "served_by": self.name})
+
+    async def _chat(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return JSONResponse({"error": {"message": "engine exploded", "type": "server_error"}}, 500)
+        if self.stall_s:
+            self.active += 1
+            try:
+                await asyncio.sleep(self.stall_s)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            finally:
+                self.active -= 1
+        if body.get("stream"):
+            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+        self.completed += 1
+        return JSONResponse(self._completion(body))
+
+    def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        text = " ".join(f"{self.name}-{i}" for i in range(self.chunks))
+        return {
+            "id": "cmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model"),
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": self.chunks, "total_tokens": 1 + self.chunks},
+        }
+
+    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        self.active += 1
+        done = False
+        try:
+            for i in range(self.chunks):
+                if self.die_after is not None and i >= self.die_after:
+                    raise ConnectionAbortedError("fake engine died mid-stream")
+                chunk = {
+                    "id": "cmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [{"index": 0, "delta": {"content": f"{self.name}-{i} "}, "finish_reason": None}],
+                }
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                if i == 0 and self.gate is not None:
+                    while not self.gate.is_set():
+                        await asyncio.sleep(0.01)
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            yield b"data: [DONE]\n\n"
+            done = True
+            self.completed += 1
+        finally:
+            self.active -= 1
+            if not done:
+                self.cancelled += 1
