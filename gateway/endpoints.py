@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.types import Receive, Scope, Send
 
 from config.settings import RoutingConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, MethodNotAllowed
 from gateway.inbound import (
     ClientGone,
     header,
@@ -19,6 +19,9 @@ from gateway.proxy import Outbound, Proxy, send_error
 from routing.keys import chat_key, completion_key, session_key
 from routing.policies import Policy
 from routing.policies.least_loaded import LeastLoadedPolicy
+
+_OWNED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
 
 class _Endpoint:
     """Read the body, validate, key, forward. Subclasses say how to validate and key."""
@@ -82,6 +85,8 @@ class Passthrough(_Endpoint):
         return self._policy
 
     def outbound(self, scope: Scope, raw: bytes) -> Outbound:
+        if scope["path"] in _OWNED_PATHS:  # routes we serve ourselves, reached with the wrong method
+            raise MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}")
         model: str | None = None
         if raw.strip():
             body = parse_object(raw)

@@ -91,19 +91,26 @@ class FakeEngine:
         if self.fail_next > 0:
             self.fail_next -= 1
             return JSONResponse({"error": {"message": "engine exploded", "type": "server_error"}}, 500)
-        if self.stall_s:
-            self.active += 1
-            try:
-                await asyncio.sleep(self.stall_s)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-            finally:
-                self.active -= 1
+        if self.stall_s and await self._stall(request):
+            self.cancelled += 1
+            return Response(status_code=499)
         if body.get("stream"):
             return StreamingResponse(self._stream(body), media_type="text/event-stream")
         self.completed += 1
         return JSONResponse(self._completion(body))
+
+    async def _stall(self, request: Request) -> bool:
+        """Sleep ``stall_s`` like a slow engine; True if the client (the gateway) hung up meanwhile."""
+        self.active += 1
+        try:
+            deadline = time.monotonic() + self.stall_s
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    return True
+                await asyncio.sleep(0.02)
+            return False
+        finally:
+            self.active -= 1
 
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
         text = " ".join(f"{self.name}-{i}" for i in range(self.chunks))

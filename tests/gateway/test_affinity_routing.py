@@ -1,0 +1,85 @@
+"""Conversation affinity through a real gateway: turns stick, sessions override, dead engines re-pin."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import httpx
+from conftest import ClusterFactory
+
+SYS = {"role": "system", "content": "You are a coding agent."}
+
+
+def turns(first: str, n: int) -> list[list[dict[str, str]]]:
+    history = [SYS, {"role": "user", "content": first}]
+    out = []
+    for i in range(n):
+        out.append(list(history))
+        history += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"next {i}"}]
+    return out
+
+
+def post(url: str, messages: list[dict[str, str]], **headers: str) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": messages}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_every_turn_of_a_conversation_lands_on_one_backend(cluster: ClusterFactory) -> None:
+    c = cluster(["a", "b", "c"])
+    placements: dict[str, set[str]] = {}
+    for conv in range(12):
+        for msgs in turns(f"task {conv}", 5):
+            r = post(c.url, msgs)
+            placements.setdefault(f"task {conv}", set()).add(r.headers["x-warmroute-backend"])
+    assert all(len(b) == 1 for b in placements.values())
+    spread = Counter(next(iter(b)) for b in placements.values())
+    assert sorted(spread.values()) == [4, 4, 4]  # new conversations balanced by conversation count
+
+
+def test_round_robin_baseline_scatters_turns(cluster: ClusterFactory) -> None:
+    c = cluster(["a", "b"], routing={"policy": "round_robin"})
+    seen = {post(c.url, msgs).headers["x-warmroute-backend"] for msgs in turns("x", 4)}
+    assert seen == {"a", "b"}
+
+
+def test_session_header_overrides_the_computed_key(cluster: ClusterFactory) -> None:
+    c = cluster(["a", "b", "c"])
+    backends = {
+        post(c.url, [{"role": "user", "content": f"unrelated {i}"}], **{"X-Session-ID": "s-42"}).headers[
+            "x-warmroute-backend"
+        ]
+        for i in range(6)
+    }
+    assert len(backends) == 1
+
+
+def test_conversations_on_a_dead_backend_repin_and_stay(cluster: ClusterFactory) -> None:
+    c = cluster(["a", "b", "c"])
+    first = {f"t{i}": post(c.url, turns(f"t{i}", 1)[0]).headers["x-warmroute-backend"] for i in range(9)}
+    victim = "a"
+    orphans = [k for k, b in first.items() if b == victim]
+    assert orphans
+    c.engines[victim].healthy = False
+    deadline = time.monotonic() + 5
+    while c.gateway.registry.backends[victim].state.value != "down" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for k in orphans:
+        msgs = turns(k, 3)
+        r1 = post(c.url, msgs[1])
+        assert r1.headers["x-warmroute-backend"] != victim
+        assert r1.headers["x-warmroute-route"] == "repin_unhealthy"
+        r2 = post(c.url, msgs[2])
+        assert r2.headers["x-warmroute-backend"] == r1.headers["x-warmroute-backend"]
+        assert r2.headers["x-warmroute-route"] == "affinity_hit"
+
+
+def test_decisions_are_counted_by_reason_on_metrics(cluster: ClusterFactory) -> None:
+    c = cluster(["a", "b"])
+    for msgs in turns("m", 3):
+        post(c.url, msgs)
+    text = httpx.get(c.url + "/metrics").text
+    assert 'warmroute_routing_decisions_total{reason="new_least_loaded"} 1.0' in text
+    assert 'warmroute_routing_decisions_total{reason="affinity_hit"} 2.0' in text
+    assert 'warmroute_backend_in_flight{backend="a"} 0.0' in text

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from config.settings import ConfigError, PolicyName, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_example_config_loads() -> None:
+    s = load_settings(ROOT / "config" / "example.yaml")
+    assert [b.id for b in s.backends] == ["gpu-a", "gpu-b"]
+    assert s.routing.policy is PolicyName.AFFINITY
+
+
+def test_env_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = write(tmp_path, "routing: {policy: affinity, spill_factor: 3}\nserver: {port: 1}\n")
+    monkeypatch.setenv("WARMROUTE_ROUTING__POLICY", "round_robin")
+    monkeypatch.setenv("WARMROUTE_SERVER__PORT", "9000")
+    s = load_settings(p)
+    assert s.routing.policy is PolicyName.ROUND_ROBIN
+    assert s.routing.spill_factor == 3  # the rest of the section still comes from the file
+    assert s.server.port == 9000
+
+
+def test_backends_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WARMROUTE_BACKENDS", '[{"id": "x", "url": "http://h:1/v1/", "models": ["m"]}]')
+    s = load_settings(None)
+    assert s.backends[0].url == "http://h:1"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("routing: {spill_factor: 0.5}", "routing.spill_factor"),
+        ("routing: {policy: fastest}", "routing.policy"),
+        ("backends: [{id: a, url: 'ftp://x', models: [m]}]", "backends.0.url"),
+        ("backends: [{id: a, url: 'http://x', models: []}]", "backends.0.models"),
+        ("backends: [{id: a, url: 'http://x', models: [m], weight: 0}]", "backends.0.weight"),
+        ("backends: [{id: a, url: 'http://x', models: [m]}, {id: a, url: 'http://y', models: [m]}]", "duplicate"),
+        ("rooting: {}", "rooting"),
+        ("- just a list", "mapping"),
+        ("a: [unclosed", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        load_settings(write(tmp_path, text))
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "nope.yaml")
