@@ -59,9 +59,20 @@ class Registry:
             return list(self.backends.values())
         return self._by_model.get(model, [])
 
-    def snapshot(self, model: str | None, conversations: Mapping[str, int]) -> tuple[Candidate, ...]:
+    def snapshot(
+        self,
+        model: str | None,
+        conversations: Mapping[str, int],
+        in_flight: Mapping[str, int] | None = None,
+    ) -> tuple[Candidate, ...]:
+        """Candidates for ``model``. ``in_flight`` (shared counts from other replicas) replaces local counts."""
+        if in_flight is None:
+            return tuple(
+                Candidate(b.id, b.state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)
+                for b in self.for_model(model)
+            )
         return tuple(
-            Candidate(b.id, b.state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)
+            Candidate(b.id, b.state, in_flight.get(b.id, 0), conversations.get(b.id, 0), b.cfg.weight)
             for b in self.for_model(model)
         )
 

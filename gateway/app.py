@@ -82,7 +82,9 @@ def create_app(settings: Settings, store: AffinityStore | None = None) -> Starle
     max_body = settings.limits.max_body_bytes
 
     async def models(_request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(m, gw.created) for m in gw.registry.models()]})
+        return JSONResponse(
+            {"object": "list", "data": [_model_card(m, gw.created) for m in gw.registry.models()]}
+        )
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
@@ -106,7 +108,9 @@ def create_app(settings: Settings, store: AffinityStore | None = None) -> Starle
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
-        Route("/v1/chat/completions", ChatCompletions(gw.proxy, settings.routing, max_body), methods=["POST"]),
+        Route(
+            "/v1/chat/completions", ChatCompletions(gw.proxy, settings.routing, max_body), methods=["POST"]
+        ),
         Route("/v1/completions", Completions(gw.proxy, settings.routing, max_body), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),

@@ -60,7 +60,9 @@ def _serve(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if ns.config:
         os.environ["WARMROUTE_CONFIG_FILE"] = os.path.abspath(ns.config)
     uvicorn.run(

@@ -75,7 +75,7 @@ class Completions(_Endpoint):
 
 
 class Passthrough(_Endpoint):
-    """Any other /v1/* route (embeddings, responses, tokenize, ...): least loaded backend serving the model."""
+    """Any other /v1/* route (embeddings, responses, ...): the least loaded backend serving the model."""
 
     def __init__(self, proxy: Proxy, routing: RoutingConfig, max_body: int) -> None:
         super().__init__(proxy, routing, max_body)

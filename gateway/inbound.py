@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import BadRequest, InvalidJSON, PayloadTooLarge
 from starlette.types import Receive, Scope
+
+from gateway.errors import BadRequest, InvalidJSON, PayloadTooLarge
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

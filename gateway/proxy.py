@@ -81,7 +81,9 @@ class Proxy:
             connect=settings.timeouts.connect_s, read=None, write=settings.timeouts.connect_s, pool=None
         )
 
-    async def forward(self, scope: Scope, receive: Receive, send: Send, out: Outbound, policy: Policy) -> None:
+    async def forward(
+        self, scope: Scope, receive: Receive, send: Send, out: Outbound, policy: Policy
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         ex = Exchange(task, time.monotonic())
@@ -112,7 +114,7 @@ class Proxy:
                 param="model",
             )
         view = await self.store.view(out.key if policy.uses_affinity else None)
-        candidates = self.registry.snapshot(out.model, view.conversations)
+        candidates = self.registry.snapshot(out.model, view.conversations, view.in_flight)
         decision = policy.select(candidates, RouteRequest(out.key, view.pinned))
         if decision.backend is None:
             raise NoHealthyBackend(self._nothing_ready(out.model))
@@ -127,7 +129,7 @@ class Proxy:
         if isinstance(result, httpx.Response) and result.status_code < 500:
             return result
         retry = policy.select(
-            self.registry.snapshot(out.model, view.conversations),
+            self.registry.snapshot(out.model, view.conversations, view.in_flight),
             RouteRequest(out.key, view.pinned, exclude=frozenset({backend})),
         )
         if retry.backend is None:
@@ -160,7 +162,9 @@ class Proxy:
                 response = await self.client.send(request, stream=True)
         except TimeoutError:
             self.metrics.upstream_outcome(backend_id, "timeout")
-            return UpstreamTimeout(f"backend {backend_id} sent no response within {self.timeouts.first_byte_s}s")
+            return UpstreamTimeout(
+                f"backend {backend_id} sent no response within {self.timeouts.first_byte_s}s"
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.health.mark_failed(backend, f"connect failed: {exc}")
             self.metrics.upstream_outcome(backend_id, "connect_error")
@@ -288,4 +292,3 @@ async def send_error(send: Send, err: GatewayError) -> None:
         }
     )
     await send(_body(body, more=False))
-

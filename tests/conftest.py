@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from upstreams import FakeEngine, serve
 
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
+
+from upstreams import FakeEngine, serve
 
 
 @dataclass

@@ -45,7 +45,10 @@ def test_backends_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
         ("backends: [{id: a, url: 'ftp://x', models: [m]}]", "backends.0.url"),
         ("backends: [{id: a, url: 'http://x', models: []}]", "backends.0.models"),
         ("backends: [{id: a, url: 'http://x', models: [m], weight: 0}]", "backends.0.weight"),
-        ("backends: [{id: a, url: 'http://x', models: [m]}, {id: a, url: 'http://y', models: [m]}]", "duplicate"),
+        (
+            "backends: [{id: a, url: 'http://x', models: [m]}, {id: a, url: 'http://y', models: [m]}]",
+            "duplicate",
+        ),
         ("rooting: {}", "rooting"),
         ("- just a list", "mapping"),
         ("a: [unclosed", "not valid YAML"),

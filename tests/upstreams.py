@@ -82,7 +82,9 @@ class FakeEngine:
     async def _embeddings(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append(body)
-        return JSONResponse({"object": "list", "data": [{"embedding": [0.1], "index": 0}], "served_by": self.name})
+        return JSONResponse(
+            {"object": "list", "data": [{"embedding": [0.1], "index": 0}], "served_by": self.name}
+        )
 
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
@@ -137,11 +139,13 @@ class FakeEngine:
                     "object": "chat.completion.chunk",
                     "created": 0,
                     "model": body.get("model"),
-                    "choices": [{"index": 0, "delta": {"content": f"{self.name}-{i} "}, "finish_reason": None}],
+                    "choices": [
+                        {"index": 0, "delta": {"content": f"{self.name}-{i} "}, "finish_reason": None}
+                    ],
                 }
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
                 if i == 0 and self.gate is not None:
-                    while not self.gate.is_set():
+                    while not self.gate.is_set():  # noqa: ASYNC110 - a threading.Event set by the test thread
                         await asyncio.sleep(0.01)
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)

@@ -1,7 +1,7 @@
 """Affinity (default): keep a conversation where its prefix cache is, unless that hurts.
 
 - pinned, routable, not overloaded      -> stay                       (affinity_hit, touch)
-- pinned but overloaded                 -> least loaded other         (spill_overload; pin moves if configured)
+- pinned but overloaded                 -> least loaded other         (spill_overload; pin moves if set)
 - pinned backend down/draining          -> least loaded, re-pin       (repin_unhealthy)
 - pinned backend no longer configured   -> least loaded, re-pin       (repin_removed)
 - not pinned                            -> least loaded, claim        (new_least_loaded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+
 from conftest import Cluster, ClusterFactory
 
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
@@ -36,10 +37,16 @@ def _error(r: httpx.Response, status: int, code: str) -> str:
         (b'{"model": "m", "messages": ["hi"]}', "invalid_request", "messages[0] must be an object"),
         (b'{"model": "m", "messages": [{"content": "x"}]}', "invalid_request", "messages[0].role"),
         (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "invalid_request", ".content"),
-        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "invalid_request",
-         "'stream' must be a boolean"),
-        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}}', "invalid_request",
-         "'tools' must"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            "invalid_request",
+            "'stream' must be a boolean",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}}',
+            "invalid_request",
+            "'tools' must",
+        ),
         (b"\xff\xfe", "invalid_json", "not valid JSON"),
     ],
 )

@@ -6,6 +6,7 @@ import json
 import threading
 
 import httpx
+
 from conftest import ClusterFactory
 from upstreams import FakeEngine
 

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from conftest import ClusterFactory
 from upstreams import FakeEngine
 

@@ -25,15 +25,21 @@ def test_turn_one_and_turn_n_share_a_key() -> None:
 
 
 def test_same_system_prompt_different_first_question_differ() -> None:
-    assert chat_key(chat(SYS, {"role": "user", "content": "a"})) != chat_key(chat(SYS, {"role": "user", "content": "b"}))
+    assert chat_key(chat(SYS, {"role": "user", "content": "a"})) != chat_key(
+        chat(SYS, {"role": "user", "content": "b"})
+    )
 
 
 def test_model_and_tools_and_system_are_part_of_the_key() -> None:
     base = chat(SYS, {"role": "user", "content": "q"})
     assert chat_key(base) != chat_key({**base, "model": "other"})
     assert chat_key(base) != chat_key({**base, "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert chat_key(base) != chat_key(chat({"role": "system", "content": "Other."}, {"role": "user", "content": "q"}))
-    assert chat_key(base) != chat_key(chat({"role": "developer", "content": "You are terse."}, {"role": "user", "content": "q"}))
+    assert chat_key(base) != chat_key(
+        chat({"role": "system", "content": "Other."}, {"role": "user", "content": "q"})
+    )
+    assert chat_key(base) != chat_key(
+        chat({"role": "developer", "content": "You are terse."}, {"role": "user", "content": "q"})
+    )
 
 
 def test_tool_order_of_keys_does_not_matter() -> None:
@@ -51,13 +57,28 @@ def test_string_and_single_text_part_are_the_same_content() -> None:
 
 def test_images_key_by_url_or_inline_content() -> None:
     def img(url: str) -> dict[str, Any]:
-        return chat({"role": "user", "content": [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": url}}]})
+        return chat(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what?"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        )
 
     assert chat_key(img("https://x/a.png")) == chat_key(img("https://x/a.png"))
     assert chat_key(img("https://x/a.png")) != chat_key(img("https://x/b.png"))
     assert chat_key(img("data:image/png;base64,AAAA")) != chat_key(img("data:image/png;base64,AAAB"))
-    detail = chat({"role": "user", "content": [{"type": "text", "text": "what?"},
-                   {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "high"}}]})
+    detail = chat(
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what?"},
+                {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "high"}},
+            ],
+        }
+    )
     assert chat_key(detail) == chat_key(img("https://x/a.png"))
 
 
@@ -68,7 +89,12 @@ def test_framing_cannot_collide() -> None:
 
 
 def test_head_stops_at_first_user_message() -> None:
-    msgs = [SYS, {"role": "developer", "content": "d"}, {"role": "user", "content": "u"}, {"role": "user", "content": "v"}]
+    msgs = [
+        SYS,
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": "u"},
+        {"role": "user", "content": "v"},
+    ]
     assert [m["content"] for m in head_messages(msgs)] == ["You are terse.", "d", "u"]
 
 

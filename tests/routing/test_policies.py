@@ -15,8 +15,9 @@ from routing.types import BackendState, Candidate, PinAction, Reason, RouteReque
 READY = BackendState.READY
 
 
-def cand(id_: str, in_flight: int = 0, conversations: int = 0, weight: float = 1.0,
-         state: BackendState = READY) -> Candidate:
+def cand(
+    id_: str, in_flight: int = 0, conversations: int = 0, weight: float = 1.0, state: BackendState = READY
+) -> Candidate:
     return Candidate(id_, state, in_flight, conversations, weight)
 
 
@@ -94,8 +95,11 @@ def test_repin_after_a_death_spreads_over_survivors() -> None:
 
 
 def test_new_conversation_goes_to_fewest_conversations_plus_in_flight_per_weight() -> None:
-    cands = [cand("a", in_flight=1, conversations=3), cand("b", in_flight=3, conversations=0),
-             cand("c", in_flight=2, conversations=4, weight=3.0)]
+    cands = [
+        cand("a", in_flight=1, conversations=3),
+        cand("b", in_flight=3, conversations=0),
+        cand("c", in_flight=2, conversations=4, weight=3.0),
+    ]
     d = affinity().select(cands, RouteRequest("new"))
     assert (d.backend, d.reason, d.pin) == ("c", Reason.NEW_LEAST_LOADED, PinAction.CLAIM)
 
@@ -114,7 +118,9 @@ def test_nothing_routable_gives_no_backend() -> None:
     d = affinity().select([cand("a", state=BackendState.DOWN)], RouteRequest("k", "a"))
     assert d.backend is None and d.reason is Reason.NO_BACKEND
     assert LeastLoadedPolicy().select([], RouteRequest("k")).backend is None
-    assert RoundRobinPolicy().select([cand("a", state=BackendState.STARTING)], RouteRequest("k")).backend is None
+    assert (
+        RoundRobinPolicy().select([cand("a", state=BackendState.STARTING)], RouteRequest("k")).backend is None
+    )
 
 
 def test_retry_excludes_the_failed_backend_and_leaves_the_pin() -> None:

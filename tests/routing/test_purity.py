@@ -5,8 +5,20 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-FORBIDDEN = {"httpx", "redis", "starlette", "prometheus_client", "asyncio", "anyio", "uvicorn", "socket", "time",
-             "random", "gateway", "backends"}
+FORBIDDEN = {
+    "httpx",
+    "redis",
+    "starlette",
+    "prometheus_client",
+    "asyncio",
+    "anyio",
+    "uvicorn",
+    "socket",
+    "time",
+    "random",
+    "gateway",
+    "backends",
+}
 
 
 def test_routing_imports_nothing_impure() -> None:
