@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint e2e e2e-venv bench bench-proxy typecheck fmt clean
+.PHONY: venv demo test lint e2e e2e-venv bench-proxy fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -1,0 +1,215 @@
+"""Proxy overhead benchmark (not a test): a fast local upstream, direct vs through one gateway worker.
+
+    python -m gateway.bench_proxy [--seconds 10] [--concurrency 32]
+
+Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
+completion), the gateway (one uvicorn worker, affinity policy, in-memory state) and the load generator (wrk
+when installed, else a Python client, which is slower and makes the numbers pessimistic). Reports:
+
+- added latency at 1 concurrent request: p50/p99 through the gateway minus direct;
+- throughput at N concurrent requests, and the gateway's CPU time per request (from /proc, user+system).
+
+On a 2-core machine the three processes share the cores, so throughput is a lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+BODY = {"model": "bench", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+_ANSWER = json.dumps(
+    {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }
+).encode()
+
+
+async def upstream_app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """The fastest honest upstream: read the body, answer a fixed completion."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(_ANSWER)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": _ANSWER})
+
+
+@dataclass
+class Run:
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, connections: int, seconds: float, body_file: str) -> Run:
+    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
+    script.write(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f'local f = io.open("{body_file}")\nwrk.body = f:read("*a")\nf:close()\n'
+    )
+    script.close()
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", script.name, url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    duration = float(re.search(r"requests in ([\d.]+)s", out).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise RuntimeError(f"wrk saw {errors.group(1)} errors:\n{out}")
+    return Run(total, duration, _pct(out, "50%"), _pct(out, "99%"))
+
+
+def _pct(out: str, label: str) -> float:
+    m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)", out)
+    assert m, out
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def python_sequential(url: str, seconds: float) -> Run:
+    """Fallback when wrk is missing: one connection, one request at a time."""
+    lat: list[float] = []
+    with httpx.Client() as client:
+        end = time.monotonic() + seconds
+        start = time.monotonic()
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            client.post(url, json=BODY).raise_for_status()
+            lat.append((time.perf_counter() - t) * 1e3)
+        took = time.monotonic() - start
+    lat.sort()
+    return Run(len(lat), took, statistics.median(lat), lat[int(len(lat) * 0.99)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_proxy", description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
+    up_port, gw_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    tmp = tempfile.mkdtemp(prefix="bench-proxy-")
+    try:
+        procs.append(_spawn(["-m", "uvicorn", "gateway.bench_proxy:upstream_app", "--port", str(up_port), "--no-access-log", "--log-level", "warning"]))
+        config = Path(tmp, "gw.yaml")
+        config.write_text(
+            json.dumps(
+                {
+                    "server": {"port": gw_port, "log_level": "warning"},
+                    "backends": [{"id": "up", "url": f"http://127.0.0.1:{up_port}", "models": ["bench"]}],
+                    "health": {"interval_s": 60},
+                }
+            )
+        )
+        gw = _spawn(["-m", "gateway.cli", "serve", "--config", str(config)])
+        procs.append(gw)
+        direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+        through = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+        wait_http(f"http://127.0.0.1:{up_port}/")
+        wait_http(f"http://127.0.0.1:{gw_port}/readyz")
+        body_file = Path(tmp, "body.json")
+        body_file.write_text(json.dumps(BODY))
+        _report(args, direct, through, gw.pid, str(body_file))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _report(args: argparse.Namespace, direct: str, through: str, gw_pid: int, body_file: str) -> None:
+    have_wrk = shutil.which("wrk") is not None
+    secs = args.seconds
+    print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
+    print("gateway: 1 uvicorn worker, affinity policy, in-memory state; all on 127.0.0.1\n")
+    # Warm both paths (connection pools, code paths) before measuring.
+    if have_wrk:
+        wrk(through, 4, 2, body_file)
+    for rounds in range(2):  # interleave direct and gateway runs; report the second round
+        d1 = wrk(direct, 1, secs, body_file) if have_wrk else python_sequential(direct, secs)
+        g1 = wrk(through, 1, secs, body_file) if have_wrk else python_sequential(through, secs)
+    print("1 concurrent request (sequential):")
+    print(f"  direct   p50 {d1.p50_ms:.3f} ms  p99 {d1.p99_ms:.3f} ms  ({d1.rps:,.0f} req/s)")
+    print(f"  gateway  p50 {g1.p50_ms:.3f} ms  p99 {g1.p99_ms:.3f} ms  ({g1.rps:,.0f} req/s)")
+    print(f"  added    p50 {g1.p50_ms - d1.p50_ms:.3f} ms  p99 {g1.p99_ms - d1.p99_ms:.3f} ms")
+    del rounds
+    if not have_wrk:
+        return
+    n = args.concurrency
+    dn = wrk(direct, n, secs, body_file)
+    cpu0 = cpu_seconds(gw_pid)
+    gn = wrk(through, n, secs, body_file)
+    cpu = cpu_seconds(gw_pid) - cpu0
+    print(f"\n{n} concurrent requests:")
+    print(f"  direct   {dn.rps:,.0f} req/s  p50 {dn.p50_ms:.2f} ms  p99 {dn.p99_ms:.2f} ms")
+    print(f"  gateway  {gn.rps:,.0f} req/s  p50 {gn.p50_ms:.2f} ms  p99 {gn.p99_ms:.2f} ms")
+    print(f"  gateway CPU {cpu:.2f} s for {gn.requests:,} requests = {cpu / gn.requests * 1e3:.3f} ms/request")
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
