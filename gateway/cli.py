@@ -74,6 +74,7 @@ def _serve(ns: argparse.Namespace) -> int:
         log_level=server.log_level,
         server_header=False,
         access_log=False,
+        proxy_headers=False,
     )
     return 0
 

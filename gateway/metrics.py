@@ -6,6 +6,7 @@ Label values come only from enums and configuration (backend ids, reasons), neve
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -49,12 +50,28 @@ class Metrics:
         )
         r.register(_BackendCollector(backends))
         self._decision_children = {reason: self.decisions.labels(reason.value) for reason in Reason}
+        self._outcomes: dict[tuple[str, str], Any] = {}
+        self._timings: dict[str, tuple[Any, Any]] = {}
 
     def decision(self, reason: Reason) -> None:
         self._decision_children[reason].inc()
 
     def upstream_outcome(self, backend: str, outcome: str) -> None:
         self.upstream.labels(backend, outcome).inc()
+
+    def finished(self, backend: str, outcome: str, duration_s: float, first_byte_s: float | None) -> None:
+        """One proxied request is over. Label children are cached: this runs on every request."""
+        key = (backend, outcome)
+        child = self._outcomes.get(key)
+        if child is None:
+            child = self._outcomes[key] = self.upstream.labels(backend, outcome)
+        child.inc()
+        timing = self._timings.get(backend)
+        if timing is None:
+            timing = self._timings[backend] = (self.duration.labels(backend), self.ttfb.labels(backend))
+        timing[0].observe(duration_s)
+        if first_byte_s is not None:
+            timing[1].observe(first_byte_s)
 
 
 class _BackendCollector(Collector):

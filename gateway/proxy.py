@@ -225,13 +225,9 @@ class Proxy:
         lease = ex.lease
         if lease is None:
             return
-        backend = lease.backend.id
         await self._release(ex)
-        now = time.monotonic()
-        self.metrics.upstream_outcome(backend, ex.outcome)
-        self.metrics.duration.labels(backend).observe(now - ex.started_at)
-        if ex.first_byte_at is not None:
-            self.metrics.ttfb.labels(backend).observe(ex.first_byte_at - ex.started_at)
+        first_byte = None if ex.first_byte_at is None else ex.first_byte_at - ex.started_at
+        self.metrics.finished(lease.backend.id, ex.outcome, time.monotonic() - ex.started_at, first_byte)
 
     async def _release(self, ex: Exchange) -> None:
         lease = ex.lease

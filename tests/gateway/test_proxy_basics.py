@@ -6,8 +6,8 @@ import json
 import threading
 
 import httpx
+from clusters import ClusterFactory
 
-from conftest import ClusterFactory
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}

@@ -1,0 +1,7 @@
+"""``python -m backends.sim``."""
+
+import sys
+
+from backends.sim.cli import main
+
+sys.exit(main())

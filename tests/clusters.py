@@ -1,0 +1,38 @@
+"""A gateway in front of fake engines, as one object for tests (the ``cluster`` fixture builds it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.app import Gateway
+
+from upstreams import FakeEngine
+
+
+@dataclass
+class Cluster:
+    url: str
+    engines: dict[str, FakeEngine]
+    engine_servers: dict[str, Any]
+    gateway: Gateway
+
+    def in_flight(self) -> int:
+        return self.gateway.registry.total_in_flight()
+
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Wait until the gateway and every engine have let go of every request."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.in_flight() == 0 and all(e.active == 0 for e in self.engines.values()):
+                return
+            time.sleep(0.01)
+        raise AssertionError(
+            f"not idle: gateway in_flight={self.in_flight()}, "
+            f"engines={ {n: e.active for n, e in self.engines.items()} }"
+        )
+
+
+ClusterFactory = Callable[..., Cluster]
