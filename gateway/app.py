@@ -50,7 +50,7 @@ class Gateway:
         )
         self.health = HealthChecker(self.registry, self.client, settings.health)
         self.proxy = Proxy(
-            settings, self.registry, self.store, self.policy, self.client, self.health, self.metrics
+            settings, self.registry, self.store, self.policy, self.health, self.metrics
         )
         self.created = int(time.time())
 
@@ -67,6 +67,7 @@ class Gateway:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
+            await self.proxy.aclose()
             await self.client.aclose()
             await self.store.aclose()
 

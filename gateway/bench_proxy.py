@@ -30,7 +30,10 @@ from pathlib import Path
 
 import httpx
 
-BODY = {"model": "bench", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+BODY = {
+    "model": "bench",
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+}
 _ANSWER = json.dumps(
     {
         "id": "x",
@@ -54,7 +57,10 @@ async def upstream_app(scope: dict, receive, send) -> None:  # type: ignore[no-u
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(_ANSWER)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(_ANSWER)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": _ANSWER})
@@ -103,7 +109,16 @@ def wrk(url: str, connections: int, seconds: float, body_file: str) -> Run:
     )
     script.close()
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", script.name, url],
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{max(1, round(seconds))}s",
+            "--latency",
+            "-s",
+            script.name,
+            url,
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -149,7 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     tmp = tempfile.mkdtemp(prefix="bench-proxy-")
     try:
-        procs.append(_spawn(["-m", "uvicorn", "gateway.bench_proxy:upstream_app", "--port", str(up_port), "--no-access-log", "--log-level", "warning"]))
+        procs.append(
+            _spawn(
+                [
+                    "-m",
+                    "uvicorn",
+                    "gateway.bench_proxy:upstream_app",
+                    "--port",
+                    str(up_port),
+                    "--no-access-log",
+                    "--log-level",
+                    "warning",
+                ]
+            )
+        )
         config = Path(tmp, "gw.yaml")
         config.write_text(
             json.dumps(
@@ -204,7 +232,9 @@ def _report(args: argparse.Namespace, direct: str, through: str, gw_pid: int, bo
     print(f"\n{n} concurrent requests:")
     print(f"  direct   {dn.rps:,.0f} req/s  p50 {dn.p50_ms:.2f} ms  p99 {dn.p99_ms:.2f} ms")
     print(f"  gateway  {gn.rps:,.0f} req/s  p50 {gn.p50_ms:.2f} ms  p99 {gn.p99_ms:.2f} ms")
-    print(f"  gateway CPU {cpu:.2f} s for {gn.requests:,} requests = {cpu / gn.requests * 1e3:.3f} ms/request")
+    print(
+        f"  gateway CPU {cpu:.2f} s for {gn.requests:,} requests = {cpu / gn.requests * 1e3:.3f} ms/request"
+    )
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:

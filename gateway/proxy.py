@@ -15,7 +15,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
 from starlette.types import Message, Receive, Scope, Send
 
 from backends.health import HealthChecker
@@ -25,6 +24,13 @@ from gateway.errors import GatewayError, ModelNotFound, NoHealthyBackend, Upstre
 from gateway.inbound import header
 from gateway.metrics import Metrics
 from gateway.state import AffinityStore
+from gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamReadError,
+    UpstreamResponse,
+)
 from routing.policies import Policy
 from routing.types import BackendState, Decision, PinAction, Reason, RouteRequest
 
@@ -43,6 +49,7 @@ class Exchange:
     client_gone: bool = False
     finished: bool = False  # the last body message is being sent; a disconnect now is normal
     lease: Lease | None = None
+    upstream: UpstreamResponse | None = None  # closed in ``finally``: that is what cancels the engine's work
     outcome: str = "error"
     reason: Reason = Reason.NO_BACKEND
     first_byte_at: float | None = field(default=None)
@@ -66,20 +73,23 @@ class Proxy:
         registry: Registry,
         store: AffinityStore,
         policy: Policy,
-        client: httpx.AsyncClient,
         health: HealthChecker,
         metrics: Metrics,
     ) -> None:
         self.registry = registry
         self.store = store
         self.policy = policy
-        self.client = client
         self.health = health
         self.metrics = metrics
         self.timeouts = settings.timeouts
-        self._httpx_timeout = httpx.Timeout(
-            connect=settings.timeouts.connect_s, read=None, write=settings.timeouts.connect_s, pool=None
+        # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
+        self.pool = UpstreamPool(
+            connect_timeout=settings.timeouts.connect_s,
+            max_connections_per_origin=settings.limits.max_connections,
         )
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
 
     async def forward(
         self, scope: Scope, receive: Receive, send: Send, out: Outbound, policy: Policy
@@ -106,7 +116,7 @@ class Proxy:
             watcher.cancel()
             await self._finish(ex)
 
-    async def _open(self, scope: Scope, out: Outbound, policy: Policy, ex: Exchange) -> httpx.Response:
+    async def _open(self, scope: Scope, out: Outbound, policy: Policy, ex: Exchange) -> UpstreamResponse:
         """Route and send; retry once on the next choice if the first backend fails before answering."""
         if out.model is not None and not self.registry.serves(out.model):
             raise ModelNotFound(
@@ -126,77 +136,75 @@ class Proxy:
         self.metrics.decision(decision.reason)
         ex.reason = decision.reason
         result = await self._attempt(scope, out, backend, decision, ex)
-        if isinstance(result, httpx.Response) and result.status_code < 500:
+        if isinstance(result, UpstreamResponse) and result.status < 500:
             return result
         retry = policy.select(
             self.registry.snapshot(out.model, view.conversations, view.in_flight),
             RouteRequest(out.key, view.pinned, exclude=frozenset({backend})),
         )
         if retry.backend is None:
-            if isinstance(result, httpx.Response):
+            if isinstance(result, UpstreamResponse):
                 return result  # nobody else to ask: the engine's own 5xx is the most useful answer
             raise result
         await self._abandon(result, ex)
         self.metrics.decision(retry.reason)
         ex.reason = retry.reason
         result = await self._attempt(scope, out, retry.backend, retry, ex)
-        if isinstance(result, httpx.Response):
+        if isinstance(result, UpstreamResponse):
             return result
         raise result
 
     async def _attempt(
         self, scope: Scope, out: Outbound, backend_id: str, decision: Decision, ex: Exchange
-    ) -> httpx.Response | UpstreamError:
+    ) -> UpstreamResponse | UpstreamError:
         backend = self.registry.backends[backend_id]
         ex.lease = self.registry.lease(backend_id)
         await self.store.started(backend_id)
-        request = self.client.build_request(
-            out.method,
-            backend.cfg.url + out.path,
-            content=out.raw,
-            headers=_upstream_headers(scope, backend.cfg.api_key, decision),
-            timeout=self._httpx_timeout,
-        )
+        headers = _upstream_headers(scope, backend.cfg.api_key)
         try:
             async with asyncio.timeout(self.timeouts.first_byte_s):
-                response = await self.client.send(request, stream=True)
+                response = await self.pool.request(out.method, backend.cfg.url, out.path, headers, out.raw)
         except TimeoutError:
             self.metrics.upstream_outcome(backend_id, "timeout")
             return UpstreamTimeout(
                 f"backend {backend_id} sent no response within {self.timeouts.first_byte_s}s"
             )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except UpstreamConnectError as exc:
             self.health.mark_failed(backend, f"connect failed: {exc}")
             self.metrics.upstream_outcome(backend_id, "connect_error")
             return UpstreamError(f"backend {backend_id} is unreachable")
-        except httpx.HTTPError as exc:
+        except (UpstreamProtocolError, UpstreamReadError) as exc:
             self.metrics.upstream_outcome(backend_id, "error")
             return UpstreamError(f"backend {backend_id} failed before answering: {type(exc).__name__}")
-        if response.status_code >= 500:
+        ex.upstream = response
+        if response.status >= 500:
             self.metrics.upstream_outcome(backend_id, "http_5xx")
         return response
 
-    async def _abandon(self, result: httpx.Response | UpstreamError, ex: Exchange) -> None:
+    async def _abandon(self, result: UpstreamResponse | UpstreamError, ex: Exchange) -> None:
         """Drop a failed first attempt before the retry: close its response, give its lease back."""
-        if isinstance(result, httpx.Response):
+        if isinstance(result, UpstreamResponse):
             await result.aclose()
+        ex.upstream = None
         await self._release(ex)
 
-    async def _relay(self, upstream: httpx.Response, send: Send, ex: Exchange) -> None:
-        content_type = upstream.headers.get("content-type", "application/json").encode("latin-1")
+    async def _relay(self, upstream: UpstreamResponse, send: Send, ex: Exchange) -> None:
+        content_type = upstream.header(b"content-type") or b"application/json"
         sse = content_type.startswith(_SSE)
         headers = [(b"content-type", content_type)]
         if sse:
             headers.append((b"cache-control", b"no-cache"))
-        elif "content-length" in upstream.headers:
-            headers.append((b"content-length", upstream.headers["content-length"].encode("latin-1")))
+        else:
+            length = upstream.header(b"content-length")
+            if length is not None:
+                headers.append((b"content-length", length))
         assert ex.lease is not None
         headers.append((b"x-warmroute-backend", ex.lease.backend.id.encode()))
         headers.append((b"x-warmroute-route", ex.reason.value.encode()))
-        await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
         try:
             await self._pump(upstream, send, ex)
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (UpstreamReadError, TimeoutError) as exc:
             ex.outcome = "mid_stream_error"
             log.warning("backend %s broke mid-response: %r", ex.lease.backend.id, exc)
             if not sse:
@@ -206,11 +214,11 @@ class Proxy:
             ex.finished = True
             await send(_body(b"event: error\ndata: " + err(message).body() + b"\n\n" + _DONE, more=False))
             return
-        ex.outcome = "ok" if upstream.status_code < 400 else f"http_{upstream.status_code // 100}xx"
+        ex.outcome = "ok" if upstream.status < 400 else f"http_{upstream.status // 100}xx"
         ex.finished = True
         await send(_body(b"", more=False))
 
-    async def _pump(self, upstream: httpx.Response, send: Send, ex: Exchange) -> None:
+    async def _pump(self, upstream: UpstreamResponse, send: Send, ex: Exchange) -> None:
         loop = asyncio.get_running_loop()
         deadline = ex.started_at - time.monotonic() + loop.time() + self.timeouts.request_s
         read_s = self.timeouts.read_s
@@ -222,6 +230,8 @@ class Proxy:
                 budget.reschedule(min(deadline, loop.time() + read_s))
 
     async def _finish(self, ex: Exchange) -> None:
+        if ex.upstream is not None:
+            await ex.upstream.aclose()  # unfinished body: closes the connection, and the engine stops
         lease = ex.lease
         if lease is None:
             return
@@ -259,7 +269,7 @@ async def _watch_disconnect(receive: Receive, ex: Exchange) -> None:
             return
 
 
-def _upstream_headers(scope: Scope, api_key: str | None, decision: Decision) -> list[tuple[bytes, bytes]]:
+def _upstream_headers(scope: Scope, api_key: str | None) -> list[tuple[bytes, bytes]]:
     headers = [
         (b"content-type", b"application/json"),
         (b"accept", header(scope, b"accept") or b"*/*"),

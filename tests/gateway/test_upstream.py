@@ -1,0 +1,538 @@
+"""gateway.upstream against real servers on 127.0.0.1: uvicorn for the ordinary cases, raw asyncio servers
+for the protocol edge cases (exact bytes, closes at chosen moments). Every test runs on asyncio and uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.upstream import (
+    READ_HIGH_WATER,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamReadError,
+    UpstreamResponse,
+)
+
+from upstreams import FakeEngine, serve
+
+pytestmark = pytest.mark.anyio
+
+JSON = [(b"content-type", b"application/json")]
+
+
+@pytest.fixture(params=["asyncio", ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+@pytest.fixture
+async def pool(anyio_backend: Any) -> AsyncIterator[UpstreamPool]:
+    p = UpstreamPool(connect_timeout=2.0, max_connections_per_origin=32)
+    yield p
+    await p.aclose()
+
+
+async def read_all(response: UpstreamResponse) -> bytes:
+    try:
+        return b"".join([chunk async for chunk in response.aiter_raw()])
+    finally:
+        await response.aclose()
+
+
+def idle(pool: UpstreamPool, origin: str) -> int:
+    return sum(not conn.closing for conn in pool._origins[origin].idle)
+
+
+async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    """For state another thread or the kernel changes, where there is no event to wait on."""
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - no event to wait on
+            await asyncio.sleep(0.005)
+
+
+# -- a uvicorn app that records which client connection served each request ------------------------------
+
+
+@dataclass
+class Recorder:
+    ports: list[int] = field(default_factory=list)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        self.ports.append(scope["client"][1])
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        path, status = scope["path"], 200
+        if path == "/echo":
+            payload = body
+        elif path.startswith("/status/"):
+            status, payload = int(path.rsplit("/", 1)[1]), b""
+        else:
+            payload = b"hello world"
+        length = b"11" if scope["method"] == "HEAD" else str(len(payload)).encode()
+        headers = [(b"content-length", length), (b"X-Path", path.encode())] if status != 204 else []
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+@pytest.fixture
+def recorder() -> Any:
+    app = Recorder()
+    with serve(app) as (url, _server):  # type: ignore[arg-type]
+        yield url, app
+
+
+# -- raw servers for exact bytes ----------------------------------------------------------------------
+
+
+@dataclass
+class RawServer:
+    origin: str = ""
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    got_request: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+Handler = Callable[[RawServer, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler, tls: ssl.SSLContext | None = None) -> AsyncIterator[RawServer]:
+    state = RawServer()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        try:
+            await handler(state, reader, writer)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=tls)
+    scheme = "https" if tls else "http"
+    state.origin = f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        yield state
+        server.close()
+
+
+async def read_request(state: RawServer, reader: asyncio.StreamReader) -> bytes | None:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    request = head + await reader.readexactly(length)
+    state.requests.append(request)
+    state.got_request.set()
+    return request
+
+
+async def wait_for_disconnect(state: RawServer, reader: asyncio.StreamReader) -> None:
+    await reader.read()  # b"" at EOF; a reset raises ConnectionError, which also counts
+    state.disconnected.set()
+
+
+def responder(*responses: bytes, then_close: bool = False) -> Handler:
+    """Answer the n-th request on each connection with ``responses[n]``, then hang up: at once if
+    ``then_close``, else on reading the next request (a keep-alive close crossing a request in flight)."""
+
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for response in responses:
+            if await read_request(state, reader) is None:
+                return
+            writer.write(response)
+            await writer.drain()
+        if not then_close:
+            await read_request(state, reader)
+
+    return handle
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+# -- the ordinary cases ----------------------------------------------------------------------------
+
+
+async def test_content_length_body_and_headers(pool: UpstreamPool, recorder: Any) -> None:
+    url, _app = recorder
+    response = await pool.request("POST", url, "/x?q=1", JSON, b'{"a": 1}')
+    assert response.status == 200
+    assert response.header(b"x-path") == b"/x"
+    assert (b"content-length", b"11") in response.headers
+    assert response.header(b"nope") is None
+    assert await read_all(response) == b"hello world"
+
+
+async def test_keep_alive_reuses_one_connection(pool: UpstreamPool, recorder: Any) -> None:
+    url, app = recorder
+    for _ in range(3):
+        assert await read_all(await pool.request("GET", url, "/", [], b"")) == b"hello world"
+    assert len(app.ports) == 3
+    assert len(set(app.ports)) == 1
+    assert idle(pool, url) == 1
+
+
+async def test_chunked_chunks_are_yielded_as_they_arrive(pool: UpstreamPool) -> None:
+    head_seen, first_seen = asyncio.Event(), asyncio.Event()
+    second_sent = False
+
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal second_sent
+        await read_request(state, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await head_seen.wait()
+        writer.write(b"5\r\nfirst\r\n")
+        await first_seen.wait()
+        second_sent = True
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await read_request(state, reader)
+
+    async with raw_server(handle) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        head_seen.set()
+        chunks = response.aiter_raw()
+        async with asyncio.timeout(5):
+            assert await anext(chunks) == b"first"
+        assert not second_sent
+        first_seen.set()
+        async with asyncio.timeout(5):
+            assert b"".join([c async for c in chunks]) == b"second"
+        await response.aclose()
+        assert idle(pool, srv.origin) == 1
+
+
+async def test_many_concurrent_requests_share_the_connection_limit(pool: UpstreamPool, recorder: Any) -> None:
+    url, app = recorder
+
+    async def one(i: int) -> bytes:
+        return await read_all(await pool.request("POST", url, "/echo", JSON, b"request-%d" % i))
+
+    async with asyncio.timeout(30):
+        bodies = await asyncio.gather(*(one(i) for i in range(200)))
+    assert bodies == [b"request-%d" % i for i in range(200)]
+    assert len(set(app.ports)) <= 32
+    assert len(pool._conns) <= 32
+
+
+async def test_one_mib_request_and_response(pool: UpstreamPool, recorder: Any) -> None:
+    url, _app = recorder
+    payload = os.urandom(1 << 20)
+    assert await read_all(await pool.request("POST", url, "/echo", [], payload)) == payload
+
+
+async def test_slow_consumer_pauses_the_socket(pool: UpstreamPool) -> None:
+    size = 8 << 20
+
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(state, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+        await read_request(state, reader)
+
+    async with raw_server(handle) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        conn = response._conn
+        assert conn is not None
+        await until(lambda: conn.paused)
+        assert conn.buffered < READ_HIGH_WATER + (1 << 20)  # one read past the mark at most
+        assert len(await read_all(response)) == size
+        assert idle(pool, srv.origin) == 1
+
+
+@pytest.mark.parametrize(("method", "path"), [("HEAD", "/"), ("GET", "/status/204"), ("GET", "/status/304")])
+async def test_no_body_responses(pool: UpstreamPool, recorder: Any, method: str, path: str) -> None:
+    url, app = recorder
+    response = await pool.request(method, url, path, [], b"")
+    assert response.status == (int(path.rsplit("/", 1)[1]) if "status" in path else 200)
+    assert await read_all(response) == b""
+    assert await read_all(await pool.request("GET", url, "/", [], b"")) == b"hello world"
+    assert len(set(app.ports)) == 1  # the connection stayed in step
+
+
+async def test_informational_response_is_skipped(pool: UpstreamPool) -> None:
+    early = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+    async with raw_server(responder(early + OK)) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        assert (response.status, response.headers) == (200, [(b"content-length", b"2")])
+        assert await read_all(response) == b"ok"
+
+
+async def test_close_delimited_body_is_read_to_eof(pool: UpstreamPool) -> None:
+    async with raw_server(responder(b"HTTP/1.0 200 OK\r\n\r\nuntil the end", then_close=True)) as srv:
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"until the end"
+        assert idle(pool, srv.origin) == 0
+
+
+async def test_request_head_is_framed_by_the_pool(pool: UpstreamPool) -> None:
+    async with raw_server(responder(OK)) as srv:
+        smuggled = [(b"host", b"evil"), (b"content-length", b"99"), (b"x-a", b"1")]
+        await read_all(await pool.request("POST", srv.origin + "/base/", "/v1/x", smuggled, b"{}"))
+        host = srv.origin.removeprefix("http://").encode()
+        assert srv.requests == [
+            b"POST /base/v1/x HTTP/1.1\r\nhost: %s\r\ncontent-length: 2\r\nx-a: 1\r\n\r\n{}" % host
+        ]
+        with pytest.raises(ValueError):
+            await pool.request("GET", srv.origin, "/a b", [], b"")
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = (tmp_path_factory.mktemp("tls") / name for name in ("cert.pem", "key.pem"))
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_https(anyio_backend: Any, certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    async with raw_server(responder(chunked, OK), tls=server_side) as srv:
+        pool = UpstreamPool(connect_timeout=2.0, ssl_context=ssl.create_default_context(cafile=cert))
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"abc"
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        assert srv.connections == 1
+        await pool.aclose()
+        untrusting = UpstreamPool(connect_timeout=2.0)
+        with pytest.raises(UpstreamConnectError):
+            await untrusting.request("GET", srv.origin, "/", [], b"")
+        await untrusting.aclose()
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+async def test_connection_refused(pool: UpstreamPool) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        origin = f"http://127.0.0.1:{s.getsockname()[1]}"
+    tight = UpstreamPool(connect_timeout=2.0, max_connections_per_origin=1)
+    async with asyncio.timeout(5):  # a leaked permit would make the second attempt wait forever
+        for _ in range(2):
+            with pytest.raises(UpstreamConnectError):
+                await tight.request("GET", origin, "/", [], b"")
+    await tight.aclose()
+
+
+async def test_pooled_connection_closed_by_server_is_retried(pool: UpstreamPool) -> None:
+    async with raw_server(responder(OK)) as srv:
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        # The server read the second request on the kept-alive connection, then hung up without a byte.
+        assert await read_all(await pool.request("POST", srv.origin, "/", [], b"again")) == b"ok"
+        assert srv.connections == 2
+        assert len(srv.requests) == 3
+
+
+async def test_retry_happens_once(pool: UpstreamPool) -> None:
+    served = 0
+
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while await read_request(state, reader) is not None and served == 0:
+            served += 1
+            writer.write(OK)
+
+    async with raw_server(handle) as srv:
+        await read_all(await pool.request("GET", srv.origin, "/", [], b""))
+        with pytest.raises(UpstreamProtocolError):
+            await pool.request("GET", srv.origin, "/", [], b"")
+        assert srv.connections == 2
+
+
+async def test_idle_connection_closed_by_server_is_skipped(pool: UpstreamPool) -> None:
+    async with raw_server(responder(OK, OK, then_close=True)) as srv:
+        await read_all(await pool.request("GET", srv.origin, "/", [], b""))
+        await read_all(await pool.request("GET", srv.origin, "/", [], b""))
+        await until(lambda: not pool._conns)  # the server's FIN reached the idle connection
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        assert srv.connections == 2
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"", b"HTTP/1.1 200 OK\r\ncontent-le", b"SMTP ready\r\n\r\n"],
+    ids=["silence", "half-head", "garbage"],
+)
+async def test_broken_head_is_a_protocol_error(pool: UpstreamPool, reply: bytes) -> None:
+    async with raw_server(responder(reply, then_close=True)) as srv:
+        with pytest.raises(UpstreamProtocolError):
+            await pool.request("GET", srv.origin, "/", [], b"")
+        assert srv.connections == 1  # a fresh connection is never retried
+
+
+@pytest.mark.parametrize(
+    ("reply", "received"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b", b"only ten b"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n", b"abc"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n", b"abc"),
+    ],
+    ids=["content-length", "chunked", "bad-chunk"],
+)
+async def test_broken_body_is_a_read_error(pool: UpstreamPool, reply: bytes, received: bytes) -> None:
+    async with raw_server(responder(reply, then_close=True)) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        got = b""
+        with pytest.raises(UpstreamReadError):
+            async for chunk in response.aiter_raw():
+                got += chunk
+        await response.aclose()
+        assert got == received
+        assert idle(pool, srv.origin) == 0
+
+
+async def test_bytes_after_the_response_spoil_the_connection(pool: UpstreamPool) -> None:
+    async with raw_server(responder(OK + b"HTTP/1.1 200 OK\r\n")) as srv:
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        assert idle(pool, srv.origin) == 0
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+
+
+async def test_aclose_mid_body_disconnects_the_engine(pool: UpstreamPool) -> None:
+    engine = FakeEngine("e", chunks=5, gate=threading.Event())
+    with serve(engine.app()) as (url, _server):
+        body = b'{"model": "m", "stream": true}'
+        response = await pool.request("POST", url, "/v1/chat/completions", JSON, body)
+        first = await anext(response.aiter_raw())
+        assert first.startswith(b"data: ")
+        conn = response._conn
+        assert conn is not None and conn.transport is not None
+        await response.aclose()
+        await response.aclose()  # idempotent
+        assert conn.transport.is_closing()
+        assert idle(pool, url) == 0
+        engine.gate.set()  # type: ignore[union-attr]
+        await until(lambda: engine.cancelled == 1)
+        assert engine.completed == 0
+        with pytest.raises(UpstreamReadError):
+            await anext(response.aiter_raw())
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_cancelled_while_waiting_for_head_leaves_pool_clean(pool: UpstreamPool, how: str) -> None:
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if state.connections == 1:
+            await read_request(state, reader)
+            await wait_for_disconnect(state, reader)
+        else:
+            await responder(OK)(state, reader, writer)
+
+    async with raw_server(handle) as srv:
+        if how == "cancel":
+            task = asyncio.create_task(pool.request("GET", srv.origin, "/", [], b""))
+            await srv.got_request.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await pool.request("GET", srv.origin, "/", [], b"")
+        async with asyncio.timeout(5):
+            await srv.disconnected.wait()
+        assert idle(pool, srv.origin) == 0
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        assert srv.connections == 2
+
+
+async def test_cancelled_while_waiting_for_body(pool: UpstreamPool) -> None:
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(state, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        await wait_for_disconnect(state, reader)
+
+    async with raw_server(handle) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                try:
+                    async for _chunk in response.aiter_raw():
+                        pass
+                finally:
+                    await response.aclose()
+        async with asyncio.timeout(5):
+            await srv.disconnected.wait()
+        assert idle(pool, srv.origin) == 0
+
+
+async def test_pool_aclose_breaks_streams_and_refuses_requests(anyio_backend: Any) -> None:
+    pool = UpstreamPool(connect_timeout=2.0)
+
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(state, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        await wait_for_disconnect(state, reader)
+
+    async with raw_server(handle) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        await pool.aclose()
+        with pytest.raises(UpstreamReadError):
+            await read_all(response)
+        with pytest.raises(RuntimeError):
+            await pool.request("GET", srv.origin, "/", [], b"")
+        async with asyncio.timeout(5):
+            await srv.disconnected.wait()
+
+
+async def test_idle_timeout_drops_old_connections(anyio_backend: Any, recorder: Any) -> None:
+    url, app = recorder
+    pool = UpstreamPool(connect_timeout=2.0, idle_timeout=30.0)
+    await read_all(await pool.request("GET", url, "/", [], b""))
+    await read_all(await pool.request("GET", url, "/", [], b""))
+    assert len(set(app.ports)) == 1
+    pool._origins[url].idle[-1].idle_since -= 31.0  # as if it had sat idle for 31 s
+    await read_all(await pool.request("GET", url, "/", [], b""))
+    assert len(set(app.ports)) == 2
+    await pool.aclose()
