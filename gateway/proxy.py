@@ -32,7 +32,7 @@ from gateway.upstream import (
     UpstreamResponse,
 )
 from routing.policies import Policy
-from routing.types import BackendState, Decision, PinAction, Reason, RouteRequest
+from routing.types import BackendState, PinAction, Reason, RouteRequest
 
 log = logging.getLogger("warmroute.proxy")
 
@@ -135,7 +135,7 @@ class Proxy:
                 backend = winner  # another replica claimed this conversation first
         self.metrics.decision(decision.reason)
         ex.reason = decision.reason
-        result = await self._attempt(scope, out, backend, decision, ex)
+        result = await self._attempt(scope, out, backend, ex)
         if isinstance(result, UpstreamResponse) and result.status < 500:
             return result
         retry = policy.select(
@@ -149,13 +149,13 @@ class Proxy:
         await self._abandon(result, ex)
         self.metrics.decision(retry.reason)
         ex.reason = retry.reason
-        result = await self._attempt(scope, out, retry.backend, retry, ex)
+        result = await self._attempt(scope, out, retry.backend, ex)
         if isinstance(result, UpstreamResponse):
             return result
         raise result
 
     async def _attempt(
-        self, scope: Scope, out: Outbound, backend_id: str, decision: Decision, ex: Exchange
+        self, scope: Scope, out: Outbound, backend_id: str, ex: Exchange
     ) -> UpstreamResponse | UpstreamError:
         backend = self.registry.backends[backend_id]
         ex.lease = self.registry.lease(backend_id)
