@@ -117,7 +117,8 @@ def test_client_disconnect_mid_stream_cancels_upstream(cluster: ClusterFactory) 
     gate = threading.Event()
     c = cluster(engines=[FakeEngine("a", gate=gate)])
     with httpx.stream("POST", c.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
-        next(line for line in r.iter_lines() if line)
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the response (a disconnect)
+        next(line for line in lines if line)
         assert c.engines["a"].active == 1
     # The client closed its connection; the gateway must drop the engine's stream and its lease.
     c.wait_idle()
