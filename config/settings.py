@@ -96,9 +96,43 @@ class ServerConfig(_Section):
 
 
 class RedisConfig(_Section):
-    """Shared state for several workers or replicas. ``url: null`` keeps state in memory."""
+    """Shared state for several workers or replicas. ``url: null`` keeps state in memory.
 
-    url: str | None = None
+    If Redis is unreachable the gateway routes from local state, reports itself degraded and reconnects in
+    the background with exponential backoff (``reconnect_min_s`` doubling up to ``reconnect_max_s``).
+    """
+
+    url: str | None = Field(default=None, description="e.g. redis://127.0.0.1:6379/0")
+    prefix: str = Field(
+        default="warmroute:",
+        min_length=1,
+        description="Prefix of every key; with Redis Cluster use a hash tag such as '{warmroute}:'",
+    )
+    timeout_s: float = Field(
+        default=0.1,
+        gt=0,
+        le=10,
+        description="Pool wait, connect and read timeout of one round trip; past it, route locally",
+    )
+    lease_ttl_s: float = Field(
+        default=10.0, gt=0, description="A dead replica's in-flight counts vanish this long after it stops"
+    )
+    heartbeat_s: float = Field(
+        default=1.0, gt=0, description="How often an idle replica republishes its in-flight counts"
+    )
+    reconnect_min_s: float = Field(default=0.2, gt=0)
+    reconnect_max_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=32, ge=1, description="Connection pool size per worker")
+
+    @model_validator(mode="after")
+    def _lease_outlives_heartbeats(self) -> RedisConfig:
+        if self.heartbeat_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                "lease_ttl_s must be at least twice heartbeat_s (a late heartbeat must not expire)"
+            )
+        if self.reconnect_min_s > self.reconnect_max_s:
+            raise ValueError("reconnect_min_s must not exceed reconnect_max_s")
+        return self
 
 
 class Settings(BaseSettings):

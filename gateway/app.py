@@ -24,6 +24,7 @@ from gateway.endpoints import ChatCompletions, Completions, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
+from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
 from routing.policies import make_policy
 
@@ -40,6 +41,7 @@ class Gateway:
         self.registry = Registry(settings.backends)
         self.metrics = Metrics(self.registry)
         self.store: AffinityStore = store or make_store(settings)
+        self.metrics.degraded.set_function(lambda: 1.0 if self.store.status().get("degraded") else 0.0)
         self.policy = make_policy(settings.routing)
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
@@ -49,21 +51,21 @@ class Gateway:
             follow_redirects=False,
         )
         self.health = HealthChecker(self.registry, self.client, settings.health)
-        self.proxy = Proxy(
-            settings, self.registry, self.store, self.policy, self.health, self.metrics
-        )
+        self.proxy = Proxy(settings, self.registry, self.store, self.policy, self.health, self.metrics)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        # 1. Probe every backend once so a healthy cluster takes traffic as soon as we listen.
+        # 1. Connect the shared state store (an unreachable Redis only degrades it; it reconnects itself).
+        await self.store.start()
+        # 2. Probe every backend once so a healthy cluster takes traffic as soon as we listen.
         await self.health.check_all()
-        # 2. Keep probing in the background.
+        # 3. Keep probing in the background.
         checker = asyncio.create_task(self.health.run(), name="warmroute-health")
         try:
             yield
         finally:
-            # 3. Stop probing, then close upstream connections and the state store.
+            # 4. Stop probing, then close upstream connections and the state store.
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
@@ -75,7 +77,8 @@ class Gateway:
 def make_store(settings: Settings) -> AffinityStore:
     if settings.redis.url is None:
         return MemoryAffinityStore(settings.routing)
-    raise NotImplementedError("shared state in Redis is not available in this build")
+    backends = [b.id for b in settings.backends]
+    return RedisAffinityStore(settings.redis, settings.routing, backends)
 
 
 def create_app(settings: Settings, store: AffinityStore | None = None) -> Starlette:

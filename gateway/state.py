@@ -1,8 +1,12 @@
 """Shared-state port: where affinity pins and conversation counts live.
 
-``MemoryAffinityStore`` (the default) keeps them in this process. A Redis implementation shares them between
-workers and replicas behind the same port. The routing decision itself stays pure: the store only supplies
-the snapshot (``view``) and applies what the policy decided (``commit``).
+``MemoryAffinityStore`` (the default) keeps them in this process; ``gateway.redis_store.RedisAffinityStore``
+shares them between workers and replicas behind the same port. The routing decision itself stays pure: the
+store only supplies the snapshot (``view``) and applies what the policy decided (``commit``).
+
+Cost contract for shared stores: ``view`` and ``commit`` are at most one round trip each, and a routed request
+calls each at most once; ``started``/``finished`` must not do I/O (they change local counts, published with
+the store's next round trip or heartbeat). So a routed request costs at most two round trips.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ class StoreView:
 
 
 class AffinityStore(Protocol):
+    async def start(self) -> None:
+        """Connect and start background work (called by the app's lifespan). Must not raise on outages."""
+        ...
+
     async def view(self, key: str | None) -> StoreView:
         """The pin for ``key`` (None: don't look one up) and the per-backend counts."""
         ...
@@ -34,9 +42,13 @@ class AffinityStore(Protocol):
         """Apply ``decision.pin``; return the backend to use (a CLAIM may lose to another replica)."""
         ...
 
-    async def started(self, backend: str) -> None: ...
+    async def started(self, backend: str) -> None:
+        """A request to ``backend`` began (no I/O: see the cost contract above)."""
+        ...
 
-    async def finished(self, backend: str) -> None: ...
+    async def finished(self, backend: str) -> None:
+        """A request to ``backend`` ended (no I/O)."""
+        ...
 
     def status(self) -> dict[str, object]:
         """Shown by /readyz: at least {"backend": name, "degraded": bool}."""
@@ -49,6 +61,9 @@ class MemoryAffinityStore:
     def __init__(self, cfg: RoutingConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = AffinityTable(cfg.affinity_ttl_s, cfg.affinity_max_entries)
         self.clock = clock
+
+    async def start(self) -> None:
+        return None
 
     async def view(self, key: str | None) -> StoreView:
         pinned = self.table.get(key, self.clock()) if key is not None else None

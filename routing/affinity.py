@@ -60,6 +60,14 @@ class AffinityTable:
             self._remove(k)
         return len(doomed)
 
+    def entry(self, key: str) -> tuple[str, float] | None:
+        """(backend, expires_at) of ``key`` as stored, without expiring or refreshing anything."""
+        return self._entries.get(key)
+
+    def items(self) -> list[tuple[str, str, float]]:
+        """A copy of every (key, backend, expires_at), oldest first: to write the table to a shared store."""
+        return [(key, backend, expires_at) for key, (backend, expires_at) in self._entries.items()]
+
     def counts(self) -> Mapping[str, int]:
         """Pinned conversations per backend (a live view; copy it to keep it)."""
         return self._counts

@@ -3,43 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from clusters import Cluster, ClusterFactory
 
 from config.settings import load_settings
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 
+from redis_server import RedisServer, redis_binary
 from upstreams import FakeEngine, serve
-
-
-@dataclass
-class Cluster:
-    url: str
-    engines: dict[str, FakeEngine]
-    engine_servers: dict[str, Any]
-    gateway: Gateway
-
-    def in_flight(self) -> int:
-        return self.gateway.registry.total_in_flight()
-
-    def wait_idle(self, timeout: float = 5.0) -> None:
-        """Wait until the gateway and every engine have let go of every request."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.in_flight() == 0 and all(e.active == 0 for e in self.engines.values()):
-                return
-            time.sleep(0.01)
-        raise AssertionError(
-            f"not idle: gateway in_flight={self.in_flight()}, "
-            f"engines={ {n: e.active for n, e in self.engines.items()} }"
-        )
-
-
-ClusterFactory = Callable[..., Cluster]
 
 
 @pytest.fixture
@@ -71,3 +46,30 @@ def cluster() -> Iterator[ClusterFactory]:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the session; tests keep apart by ``redis_prefix``. Never kill this one."""
+    server = RedisServer(redis_binary())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, to kill and restart."""
+    server = RedisServer(redis_binary())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}:"

@@ -50,6 +50,8 @@ def test_backends_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
             "duplicate",
         ),
         ("rooting: {}", "rooting"),
+        ("redis: {heartbeat_s: 5, lease_ttl_s: 6}", "twice heartbeat_s"),
+        ("redis: {timeout_s: 0}", "redis.timeout_s"),
         ("- just a list", "mapping"),
         ("a: [unclosed", "not valid YAML"),
     ],

@@ -1,0 +1,315 @@
+"""Shared-state cost benchmark (not a test): Redis vs in-memory affinity store, per routed request.
+
+    python -m gateway.bench_redis [--requests 3000] [--seconds 5] [--redis-url redis://127.0.0.1:6379/0]
+
+Without ``--redis-url`` it starts a throwaway redis-server on a free 127.0.0.1 port (no persistence).
+
+1. Store operations, as the proxy makes them for one routed request (view, policy, commit, started,
+   finished), with 4 ready backends and a workload of 5-turn conversations (1 new turn in 5): time per
+   request p50/p99 at 1 and at 32 concurrent requests, Redis round trips per request (counted on the
+   client's connections) and commands Redis executed per request (INFO commandstats, script internals
+   included).
+2. End to end: a minimal upstream, the gateway (``warmroute serve``, one worker) with memory then Redis
+   state, and a Python client sending one request at a time: p50/p99 latency and the difference.
+
+Everything runs on 127.0.0.1 on this machine; on a busy machine numbers are noisy, so compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from redis.asyncio import Connection
+
+from backends.registry import Registry
+from config.settings import BackendConfig, RedisConfig, RoutingConfig
+from gateway.redis_store import RedisAffinityStore, redis_pool
+from gateway.state import AffinityStore, MemoryAffinityStore
+from routing.policies import make_policy
+from routing.types import BackendState, PinAction, RouteRequest
+
+BACKENDS = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")
+TURNS = 5
+_ANSWER = json.dumps(
+    {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }
+).encode()
+
+
+async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The fastest honest upstream: read the body, answer a fixed completion."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(_ANSWER)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": _ANSWER})
+
+
+class _CountingConnection(Connection):
+    """One ``send_packed_command`` per round trip (a command, a pipeline or a script call)."""
+
+    sent = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        _CountingConnection.sent += 1
+        await super().send_packed_command(command, check_health)
+
+
+@dataclass
+class StoreRun:
+    name: str
+    concurrency: int
+    p50_us: float
+    p99_us: float
+    per_s: float
+    round_trips: float | None = None
+    commands: float | None = None
+
+
+def _stats(samples: list[float], wall: float) -> tuple[float, float, float]:
+    """p50 and p99 in microseconds, and requests per second over the run's wall time."""
+    return (*_percentiles(samples), len(samples) / wall)
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    samples.sort()
+    return statistics.median(samples) * 1e6, samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e6
+
+
+async def _route_one(store: AffinityStore, registry: Registry, policy: Any, key: str) -> float:
+    """What the proxy does with the store for one request, minus the upstream call; returns seconds."""
+    t = time.perf_counter()
+    view = await store.view(key)
+    decision = policy.select(
+        registry.snapshot(None, view.conversations, view.in_flight), RouteRequest(key, view.pinned)
+    )
+    assert decision.backend is not None
+    backend = decision.backend
+    if decision.pin is not PinAction.NONE:
+        backend = await store.commit(key, decision)
+    await store.started(backend)
+    await store.finished(backend)
+    return time.perf_counter() - t
+
+
+async def _drive(store: AffinityStore, requests: int, concurrency: int, tag: str) -> list[float]:
+    registry = Registry(BackendConfig(id=b, url="http://127.0.0.1:1", models=("bench",)) for b in BACKENDS)
+    for b in registry.backends.values():
+        b.state = BackendState.READY
+    policy = make_policy(RoutingConfig())
+    # Conversation c's turns are requests c*TURNS .. c*TURNS+4, interleaved over many live conversations.
+    keys = [f"{tag}-conv-{(i % 200) + 200 * (i // (200 * TURNS))}" for i in range(requests)]
+    lat: list[float] = []
+    queue = iter(keys)
+
+    async def worker() -> None:
+        for key in queue:
+            lat.append(await _route_one(store, registry, policy, key))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return lat
+
+
+async def bench_stores(url: str, requests: int) -> list[StoreRun]:
+    runs: list[StoreRun] = []
+    admin = redis.Redis.from_url(url, decode_responses=True)
+    for concurrency in (1, 32):
+        memory = MemoryAffinityStore(RoutingConfig())
+        await _drive(memory, 500, concurrency, "warm")
+        t = time.perf_counter()
+        lat = await _drive(memory, requests, concurrency, "m")
+        runs.append(StoreRun("memory", concurrency, *_stats(lat, time.perf_counter() - t)))
+        # A generous timeout: on a busy machine a starved event loop must not turn into a fallback mid-run.
+        prefix = f"bench-{os.getpid()}-{concurrency}:"
+        cfg = RedisConfig(url=url, prefix=prefix, timeout_s=2.0, heartbeat_s=30, lease_ttl_s=60)
+        store = RedisAffinityStore(
+            cfg, RoutingConfig(), BACKENDS, pool=redis_pool(cfg, connection_class=_CountingConnection)
+        )
+        await store.start()
+        await _drive(store, 500, concurrency, "warm")
+        sent, calls = _CountingConnection.sent, _command_calls(admin)
+        t = time.perf_counter()
+        lat = await _drive(store, requests, concurrency, "r")
+        wall = time.perf_counter() - t
+        trips = (_CountingConnection.sent - sent) / requests
+        commands = (_command_calls(admin) - calls - 1) / requests  # minus our own INFO
+        runs.append(StoreRun("redis", concurrency, *_stats(lat, wall), trips, commands))
+        assert not store.status()["degraded"], store.status()
+        await store.aclose()
+    admin.close()
+    return runs
+
+
+def _command_calls(admin: redis.Redis) -> int:
+    stats: dict[str, dict[str, int]] = admin.info("commandstats")
+    return sum(v["calls"] for v in stats.values())
+
+
+# -- end to end -----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def _sequential(url: str, seconds: float) -> tuple[int, float, float]:
+    lat: list[float] = []
+    conv = 0
+    with httpx.Client() as client:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            conv += 1
+            messages = [{"role": "user", "content": f"conversation {conv // TURNS}"}]
+            t = time.perf_counter()
+            client.post(url, json={"model": "bench", "messages": messages}).raise_for_status()
+            lat.append(time.perf_counter() - t)
+    p50, p99 = _percentiles(lat)
+    return len(lat), p50 / 1e3, p99 / 1e3
+
+
+def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int, float, float]]:
+    up = free_port()
+    out: dict[str, tuple[int, float, float]] = {}
+    upstream = [
+        "-m",
+        "uvicorn",
+        "gateway.bench_redis:upstream_app",
+        "--port",
+        str(up),
+        "--log-level",
+        "warning",
+    ]
+    with _process([*upstream, "--no-access-log"]):
+        _wait_http(f"http://127.0.0.1:{up}/")
+        for name, redis_section in (
+            ("memory", {}),
+            ("redis", {"url": url, "prefix": f"bench-e2e-{os.getpid()}:"}),
+        ):
+            port = free_port()
+            config = tmp / f"{name}.yaml"
+            config.write_text(
+                json.dumps(
+                    {
+                        "server": {"log_level": "warning"},
+                        "backends": [{"id": "up", "url": f"http://127.0.0.1:{up}", "models": ["bench"]}],
+                        "health": {"interval_s": 60},
+                        "redis": {**redis_section, "timeout_s": 2.0} if redis_section else {},
+                    }
+                )
+            )
+            with _process(["-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]):
+                base = f"http://127.0.0.1:{port}"
+                _wait_http(base + "/readyz")
+                _sequential(base + "/v1/chat/completions", 1.0)  # warm up
+                out[name] = _sequential(base + "/v1/chat/completions", seconds)
+                state = httpx.get(base + "/readyz").json()["shared_state"]
+                assert state["degraded"] is False, state
+    return out
+
+
+@contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    if url is not None:
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found: install it or pass --redis-url")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        proc = subprocess.Popen([*args, "--dir", tmp], stdout=subprocess.DEVNULL)
+        try:
+            url = f"redis://127.0.0.1:{port}/0"
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis.from_url(url).ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_redis", description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--requests", type=int, default=3000, help="routed requests per store run")
+    ap.add_argument("--seconds", type=float, default=5.0, help="end-to-end run length per gateway")
+    ap.add_argument("--redis-url", help="an existing Redis (default: start a throwaway redis-server)")
+    ap.add_argument("--skip-e2e", action="store_true")
+    args = ap.parse_args(argv)
+    with _redis(args.redis_url) as url:
+        print(f"store operations per routed request ({len(BACKENDS)} backends, {TURNS}-turn conversations):")
+        for r in asyncio.run(bench_stores(url, args.requests)):
+            extra = f"  round trips {r.round_trips:.2f}  commands {r.commands:.1f}" if r.round_trips else ""
+            timing = f"p50 {r.p50_us:8.1f} us  p99 {r.p99_us:8.1f} us  {r.per_s:8.0f} req/s"
+            print(f"  {r.name:6} x{r.concurrency:<2}  {timing}{extra}")
+        if args.skip_e2e:
+            return 0
+        with tempfile.TemporaryDirectory() as tmp:
+            e2e = bench_end_to_end(url, args.seconds, Path(tmp))
+        print("end to end, 1 request at a time, non-streaming, minimal upstream, 1 gateway worker:")
+        for name, (n, p50, p99) in e2e.items():
+            print(f"  {name:6}  p50 {p50:.3f} ms  p99 {p99:.3f} ms  ({n} requests)")
+        (_, m50, m99), (_, r50, r99) = e2e["memory"], e2e["redis"]
+        print(f"  redis adds  p50 {r50 - m50:+.3f} ms  p99 {r99 - m99:+.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Every Redis key the gateway uses, under one configurable prefix (``redis.prefix``, default ``warmroute:``).
+
+Layout (``P`` is the prefix; times are milliseconds on the *Redis server's* clock, so replicas' clocks may
+disagree without harm):
+
+``P pin:<conversation>``      string, the backend id the conversation is pinned to; ``PX`` = affinity TTL.
+                              Written only by scripts that keep it and the set below consistent.
+``P convs:<backend>``         sorted set of conversations pinned to the backend, scored by their expiry.
+                              Pinned count = ZCARD after trimming scores <= now (done on every read), so
+                              counts follow expiring pins and never drift.
+``P replicas``                sorted set of live replicas (one per worker process), scored by lease expiry.
+``P inflight:<replica>``      hash: backend id -> that replica's requests in flight, plus ``_seq`` (the
+                              replica's publication counter; an older snapshot never overwrites a newer
+                              one). ``PEXPIRE`` = lease TTL; the replica republishes on every round trip
+                              and at least every ``heartbeat_s``, so a crashed replica's counts vanish.
+``P epoch``                   random token set by the first replica to find it missing. A change means
+                              Redis lost its data (restart without persistence, FLUSHALL): replicas then
+                              write their local pins back.
+
+Scripts build the ``convs:`` and ``inflight:`` names from the prefixes below, so every key lives under one
+prefix. With Redis Cluster, choose a hash-tagged prefix (``{warmroute}:``) so all keys share one slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    prefix: str = "warmroute:"
+
+    def pin(self, conversation: str) -> str:
+        return f"{self.prefix}pin:{conversation}"
+
+    @property
+    def conversations_prefix(self) -> str:
+        return f"{self.prefix}convs:"
+
+    def conversations(self, backend: str) -> str:
+        return self.conversations_prefix + backend
+
+    @property
+    def replicas(self) -> str:
+        return f"{self.prefix}replicas"
+
+    @property
+    def in_flight_prefix(self) -> str:
+        return f"{self.prefix}inflight:"
+
+    def in_flight(self, replica: str) -> str:
+        return self.in_flight_prefix + replica
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}epoch"

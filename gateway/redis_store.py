@@ -1,0 +1,310 @@
+"""``RedisAffinityStore``: affinity pins, pinned-conversation counts and in-flight counts shared in Redis.
+
+Round trips. A routed request costs at most two, each one Lua script (``gateway.redis_scripts``): ``view``
+reads the pin, every backend's pinned count and the other replicas' in-flight counts; ``commit`` claims,
+touches or moves the pin atomically and returns the winner (the first claim wins, so two replicas never
+split a new conversation). ``started``/``finished`` only change this replica's local counts; every script
+also publishes them (a per-replica hash with a lease TTL), and a heartbeat does so when the replica is idle.
+
+Leases. A replica's in-flight hash expires ``lease_ttl_s`` after its last publication, and readers sum only
+replicas whose lease is live, so a crashed replica's requests stop counting. Pinned counts come from
+per-backend sorted sets scored by expiry, trimmed on read, so they follow expiring pins.
+
+Outages. A round trip gives up after ``timeout_s`` without progress (waiting for a pooled connection,
+connecting, reading), with no redis-py retries. On any failure the store turns *degraded*: it routes
+from a local ``AffinityTable`` (a mirror of every pin this replica committed) and this process's own
+in-flight counts, records the pins it makes meanwhile, and a background task retries with exponential
+backoff. When Redis answers again it writes those pins back (SET NX; a move made during the outage
+overwrites), and, if Redis lost its data (its epoch token changed), the whole local mirror; then it reads
+from Redis again. Clients never see a Redis error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.asyncio import BlockingConnectionPool, Connection, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from config.settings import RedisConfig, RoutingConfig
+from gateway import redis_scripts
+from gateway.redis_keys import RedisKeys
+from gateway.state import MemoryAffinityStore, StoreView
+from routing.types import Decision, PinAction
+
+log = logging.getLogger("warmroute.state")
+
+#: What an unreachable, slow or confused Redis raises through redis-py (timeouts included).
+_FAILURES = (RedisError, OSError, TimeoutError)
+_RESTORE_BATCH = 500
+
+
+def redis_pool(cfg: RedisConfig, connection_class: type[Connection] = Connection) -> BlockingConnectionPool:
+    """A pool that fails fast: short timeouts and no redis-py retries (the store falls back instead)."""
+    assert cfg.url is not None
+    return BlockingConnectionPool.from_url(
+        cfg.url,
+        connection_class=connection_class,
+        max_connections=cfg.max_connections,
+        timeout=cfg.timeout_s,
+        socket_timeout=cfg.timeout_s,
+        socket_connect_timeout=cfg.timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=True,
+    )
+
+
+class RedisAffinityStore:
+    def __init__(
+        self,
+        cfg: RedisConfig,
+        routing: RoutingConfig,
+        backends: Sequence[str],
+        *,
+        pool: BlockingConnectionPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.keys = RedisKeys(cfg.prefix)
+        self.local = MemoryAffinityStore(routing, clock)  # mirror of our pins; the whole truth when degraded
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._client = Redis(connection_pool=pool or redis_pool(cfg))
+        self._view = self._client.register_script(redis_scripts.VIEW)
+        self._commit = self._client.register_script(redis_scripts.COMMIT)
+        self._heartbeat = self._client.register_script(redis_scripts.HEARTBEAT)
+        self._restore = self._client.register_script(redis_scripts.RESTORE)
+        self._ttl_ms = max(1, int(routing.affinity_ttl_s * 1000))
+        self._max_pending = routing.affinity_max_entries
+        self._backends = tuple(backends)
+        self._in_flight = dict.fromkeys(self._backends, 0)
+        self._seq = 0
+        self._lease_ms = max(1, int(cfg.lease_ttl_s * 1000))
+        self._degraded = False
+        self._degraded_since: float | None = None
+        self._last_error: str | None = None
+        self._pending: dict[str, bool] = {}  # pins made while degraded -> overwrite on resync (a move)?
+        self._resync_all = False
+        self._epoch: str | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- the AffinityStore port ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._beat()
+        except _FAILURES as exc:
+            self._degrade(exc)
+        self._ensure_task()
+
+    async def view(self, key: str | None) -> StoreView:
+        if self._degraded:
+            return await self.local.view(key)
+        keys = [self.keys.replicas, self.keys.in_flight(self.replica)]
+        if key is not None:
+            keys.append(self.keys.pin(key))
+        extra = (self.keys.in_flight_prefix, self.keys.conversations_prefix, "0" if key is None else "1")
+        try:
+            pin, convs, others = await self._run(self._view, keys, extra)
+        except _FAILURES as exc:
+            self._degrade(exc)
+            return await self.local.view(key)
+        if pin is None and key is not None:
+            # Redis has no pin but we remember one: Redis lost it (restart, eviction). Our pin is at least
+            # as fresh as Redis's would be (we wrote both), so use it; the commit writes it back.
+            pin = self.local.table.get(key, self.local.clock())
+        conversations = dict(zip(self._backends, convs, strict=True))
+        in_flight = {b: n + self._in_flight[b] for b, n in zip(self._backends, others, strict=True)}
+        return StoreView(pin, conversations, in_flight)
+
+    async def commit(self, key: str, decision: Decision) -> str:
+        assert decision.backend is not None
+        if self._degraded:
+            return self._commit_locally(key, decision)
+        keys = [self.keys.replicas, self.keys.in_flight(self.replica), self.keys.pin(key)]
+        action = "move" if decision.pin is PinAction.MOVE else "claim"  # touch == claim: keep what is there
+        extra = (action, decision.backend, key, self._ttl_ms, self.keys.conversations_prefix)
+        try:
+            winner: str = await self._run(self._commit, keys, extra)
+        except _FAILURES as exc:
+            self._degrade(exc)
+            return self._commit_locally(key, decision)
+        self.local.table.move(key, winner, self.local.clock())
+        return winner
+
+    async def started(self, backend: str) -> None:
+        self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
+        self._seq += 1
+
+    async def finished(self, backend: str) -> None:
+        self._in_flight[backend] = self._in_flight.get(backend, 0) - 1
+        self._seq += 1
+
+    def status(self) -> dict[str, object]:
+        return {
+            "backend": "redis",
+            "degraded": self._degraded,
+            "replica": self.replica,
+            "degraded_since": self._degraded_since,
+            "last_error": self._last_error,
+            "pending_resync": len(self._pending),
+            "local_entries": len(self.local.table),
+        }
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if not self._degraded:
+            # A clean exit withdraws this replica's in-flight counts at once instead of letting them expire.
+            with contextlib.suppress(*_FAILURES):
+                async with asyncio.timeout(self.cfg.timeout_s):
+                    async with self._client.pipeline(transaction=False) as pipe:
+                        pipe.zrem(self.keys.replicas, self.replica)
+                        pipe.delete(self.keys.in_flight(self.replica))
+                        await pipe.execute()
+        await self._client.aclose(close_connection_pool=True)
+
+    # -- round trips --------------------------------------------------------------------------------
+
+    async def _run(self, script: Any, keys: list[str], extra: Sequence[str | int]) -> Any:
+        """One script call; publishes this replica's in-flight counts as a side effect."""
+        counts = [self._in_flight.get(b, 0) for b in self._backends]
+        args = [
+            self.replica,
+            self._lease_ms,
+            self._seq,
+            len(self._backends),
+            *self._backends,
+            *counts,
+            *extra,
+        ]
+        return await script(keys=keys, args=args)
+
+    async def _beat(self) -> None:
+        keys = [self.keys.replicas, self.keys.in_flight(self.replica), self.keys.epoch]
+        epoch: str = await self._run(self._heartbeat, keys, (secrets.token_hex(8),))
+        if self._epoch is not None and epoch != self._epoch:
+            log.warning("shared state: Redis lost its data (new epoch); writing local pins back")
+            self._resync_all = True
+        self._epoch = epoch
+        await self._resync()
+
+    async def _resync(self) -> int:
+        """Write pending local pins to Redis until none are left. Restores the batch if a write fails."""
+        written = 0
+        while self._pending or self._resync_all:
+            batch, self._pending = self._pending, {}
+            if self._resync_all:
+                self._resync_all = False
+                entries = [(k, b, exp, batch.get(k, False)) for k, b, exp in self.local.table.items()]
+            else:
+                entries = []
+                for k, force in batch.items():
+                    found = self.local.table.entry(k)
+                    if found is not None:
+                        entries.append((k, found[0], found[1], force))
+            try:
+                for i in range(0, len(entries), _RESTORE_BATCH):
+                    written += await self._restore_batch(entries[i : i + _RESTORE_BATCH])
+            except _FAILURES:
+                for k, force in batch.items():
+                    self._pending[k] = self._pending.get(k, False) or force
+                raise
+        return written
+
+    async def _restore_batch(self, entries: list[tuple[str, str, float, bool]]) -> int:
+        now = self.local.clock()
+        keys: list[str] = []
+        args: list[str | int] = [self.keys.conversations_prefix]
+        for key, backend, expires_at, force in entries:
+            ttl_ms = int((expires_at - now) * 1000)
+            if ttl_ms > 0:
+                keys.append(self.keys.pin(key))
+                args += [key, backend, ttl_ms, "1" if force else "0"]
+        if not keys:
+            return 0
+        written: int = await self._restore(keys=keys, args=args)
+        return written
+
+    # -- degraded mode ------------------------------------------------------------------------------
+
+    def _commit_locally(self, key: str, decision: Decision) -> str:
+        assert decision.backend is not None
+        table, now = self.local.table, self.local.clock()
+        move = decision.pin is PinAction.MOVE
+        if move:
+            table.move(key, decision.backend, now)
+            winner = decision.backend
+        else:
+            winner = table.claim(key, decision.backend, now)  # an existing pin is refreshed and kept
+        if len(self._pending) < self._max_pending:
+            self._pending[key] = move or self._pending.get(key, False)
+        else:
+            self._resync_all = True  # too many to track one by one: write the whole table back
+        return winner
+
+    def _degrade(self, exc: BaseException) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        if not self._degraded:
+            log.warning("shared state: Redis unavailable (%s); routing from local state", self._last_error)
+            self._degraded = True
+            self._degraded_since = time.time()
+        self._wake.set()
+        self._ensure_task()
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._maintain(), name="warmroute-redis")
+
+    async def _maintain(self) -> None:
+        """Heartbeat while healthy; while degraded, reconnect with backoff, resync, and resume."""
+        delay = self.cfg.reconnect_min_s
+        while True:
+            if not self._degraded:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.cfg.heartbeat_s):
+                        await self._wake.wait()
+                if not self._degraded:
+                    try:
+                        await self._beat()
+                    except Exception as exc:  # the loop must outlive any surprise; Redis errors are expected
+                        _log_unexpected(exc)
+                        self._degrade(exc)
+                continue
+            await asyncio.sleep(delay)
+            if await self._recover():
+                delay = self.cfg.reconnect_min_s
+            else:
+                delay = min(delay * 2, self.cfg.reconnect_max_s)
+
+    async def _recover(self) -> bool:
+        pending = len(self._pending)
+        try:
+            await self._beat()  # publishes our counts, checks the epoch and resyncs pending pins
+        except Exception as exc:
+            _log_unexpected(exc)
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            return False
+        # No await since _resync found nothing pending: no pin made locally can be left behind.
+        self._degraded = False
+        self._degraded_since = None
+        log.warning("shared state: Redis is back; %d pins made meanwhile written back", pending)
+        return True
+
+
+def _log_unexpected(exc: Exception) -> None:
+    if not isinstance(exc, _FAILURES):
+        log.error("shared state: unexpected error talking to Redis", exc_info=exc)
