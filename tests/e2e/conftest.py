@@ -26,7 +26,9 @@ from .engines import (
     start_engines,
     stop_all,
     venv_ready,
+    wait_all_healthy,
 )
+from .gateways import RunningGateway, running_gateway
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "tiny-chat"
@@ -47,7 +49,8 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """On a failure, attach the tail of each engine's log to the report."""
     report: pytest.TestReport = yield
-    engines = getattr(item, "funcargs", {}).get("vllm_engines")
+    funcargs = getattr(item, "funcargs", {})
+    engines = funcargs.get("vllm_engines") or funcargs.get("engine_set")
     if report.failed and engines:
         for engine in engines:
             report.sections.append((f"{engine.name} log ({engine.log_path})", engine.log_tail(40)))
@@ -97,10 +100,10 @@ def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_engines(engine_config: EngineConfig, engine_log_dir: Path) -> Iterator[list[VllmEngine]]:
-    """Two healthy engines serving "tiny-chat", each pinned to its own core, shared by the whole session.
+def engine_set(engine_config: EngineConfig, engine_log_dir: Path) -> Iterator[list[VllmEngine]]:
+    """Two engines serving "tiny-chat", each pinned to its own core, started once for the whole session.
 
-    A test that kills or stops one must bring it back before it ends (`start()`, then `wait_healthy()`).
+    Tests take `vllm_engines`, which also brings back an engine an earlier module left dead.
     """
     started = time.monotonic()
     engines = start_engines(engine_config, ENGINE_COUNT, engine_log_dir)
@@ -109,3 +112,36 @@ def vllm_engines(engine_config: EngineConfig, engine_log_dir: Path) -> Iterator[
         yield engines
     finally:
         stop_all(engines)
+
+
+@pytest.fixture(scope="module")
+def vllm_engines(engine_set: list[VllmEngine]) -> list[VllmEngine]:
+    """Both engines, alive and healthy when the module starts; shared by the whole session.
+
+    A test that kills or stops one must either bring it back (`start()`, then `wait_healthy()`) or be the
+    last of its module: the next module that asks for the engines restarts a dead one here.
+    """
+    dead = [e for e in engine_set if not e.alive or not e.check_health()]
+    if dead:
+        started = time.monotonic()
+        for engine in dead:
+            engine.stop()  # whatever is left of its process group
+            engine.start()
+        wait_all_healthy(dead)
+        names = [e.name for e in dead]
+        print(f"\n[e2e] restarted {names} in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    return engine_set
+
+
+@pytest.fixture(scope="module")
+def affinity_gateway(vllm_engines: list[VllmEngine]) -> Iterator[RunningGateway]:
+    """A gateway (policy affinity, fast health checks) in front of both engines, one per test module."""
+    with running_gateway(vllm_engines, "affinity") as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def round_robin_gateway(vllm_engines: list[VllmEngine]) -> Iterator[RunningGateway]:
+    """The baseline: the same engines behind a gateway with policy round_robin."""
+    with running_gateway(vllm_engines, "round_robin") as gw:
+        yield gw

@@ -89,6 +89,7 @@ class EngineConfig:
     # prefills ~30 % slower, which only widens the cold/warm gap the tests look for.
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("VLLM_SERVER_DEV_MODE", "1"),): /reset_prefix_cache
 
 
 class VllmEngine:
@@ -152,6 +153,7 @@ class VllmEngine:
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self.cpus,
             "PYTHONUNBUFFERED": "1",
+            **dict(self.config.extra_env),
         }
 
     def start(self) -> None:
