@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test lint e2e e2e-venv bench-proxy fmt clean
+.PHONY: venv demo test lint e2e e2e-venv bench bench-proxy fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,9 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/warmroute bench --json bench-out/bench.json
 
 bench-proxy: $(STAMP)
 	$(BIN)/python -m gateway.bench_proxy

@@ -65,7 +65,7 @@ class Registry:
         conversations: Mapping[str, int],
         in_flight: Mapping[str, int] | None = None,
     ) -> tuple[Candidate, ...]:
-        """Candidates for ``model``. ``in_flight`` (shared counts from other replicas) replaces local counts."""
+        """Candidates for ``model``; ``in_flight`` (counts shared by other replicas) replaces local counts."""
         if in_flight is None:
             return tuple(
                 Candidate(b.id, b.state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)

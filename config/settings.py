@@ -61,7 +61,10 @@ class RoutingConfig(_Section):
         default=2.0, gt=1, description="Spill when the pinned load exceeds this times the others' mean"
     )
     spill_min_in_flight: int = Field(
-        default=4, ge=1, description="Never spill a backend with fewer requests in flight than this"
+        default=8,
+        ge=1,
+        description="Never spill a backend with fewer requests in flight than this (raise it towards the "
+        "engine's batch size: a spilled turn re-reads its whole prompt elsewhere)",
     )
     repin_on_spill: bool = Field(default=False, description="Move the pin when a turn spills")
     completion_key_chars: int = Field(

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,27 +103,23 @@ def cpu_seconds(pid: int) -> float:
 
 
 def wrk(url: str, connections: int, seconds: float, body_file: str) -> Run:
-    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
-    script.write(
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f'local f = io.open("{body_file}")\nwrk.body = f:read("*a")\nf:close()\n'
-    )
-    script.close()
-    out = subprocess.run(
-        [
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{max(1, round(seconds))}s",
-            "--latency",
-            "-s",
-            script.name,
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f'local f = io.open("{body_file}")\nwrk.body = f:read("*a")\nf:close()\n'
+        )
+    cmd = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{max(1, round(seconds))}s",
+        "--latency",
+        "-s",
+        script.name,
+        url,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    os.unlink(script.name)
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     duration = float(re.search(r"requests in ([\d.]+)s", out).group(1))  # type: ignore[union-attr]
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -157,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_proxy", description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
@@ -208,33 +206,60 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace, direct: str, through: str, gw_pid: int, body_file: str) -> None:
     have_wrk = shutil.which("wrk") is not None
-    secs = args.seconds
+    secs, rounds = args.seconds, args.rounds
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
-    print("gateway: 1 uvicorn worker, affinity policy, in-memory state; all on 127.0.0.1\n")
-    # Warm both paths (connection pools, code paths) before measuring.
+    print("gateway: 1 uvicorn worker, affinity policy, in-memory state; all on 127.0.0.1")
+    print(f"{rounds} rounds of {secs:g} s each, direct and gateway interleaved; medians over rounds\n")
+
+    def sequential(url: str) -> Run:
+        return wrk(url, 1, secs, body_file) if have_wrk else python_sequential(url, secs)
+
     if have_wrk:
-        wrk(through, 4, 2, body_file)
-    for rounds in range(2):  # interleave direct and gateway runs; report the second round
-        d1 = wrk(direct, 1, secs, body_file) if have_wrk else python_sequential(direct, secs)
-        g1 = wrk(through, 1, secs, body_file) if have_wrk else python_sequential(through, secs)
+        wrk(through, 4, 2, body_file)  # warm connection pools and code paths
+    d1, g1 = _interleaved(rounds, lambda: sequential(direct), lambda: sequential(through))
     print("1 concurrent request (sequential):")
-    print(f"  direct   p50 {d1.p50_ms:.3f} ms  p99 {d1.p99_ms:.3f} ms  ({d1.rps:,.0f} req/s)")
-    print(f"  gateway  p50 {g1.p50_ms:.3f} ms  p99 {g1.p99_ms:.3f} ms  ({g1.rps:,.0f} req/s)")
-    print(f"  added    p50 {g1.p50_ms - d1.p50_ms:.3f} ms  p99 {g1.p99_ms - d1.p99_ms:.3f} ms")
-    del rounds
+    print(_line("direct", d1, 3))
+    print(_line("gateway", g1, 3))
+    added = [g.p50_ms - d.p50_ms for d, g in zip(d1, g1, strict=True)]
+    added99 = [g.p99_ms - d.p99_ms for d, g in zip(d1, g1, strict=True)]
+    print(f"  added    p50 {statistics.median(added):.3f} ms  p99 {statistics.median(added99):.3f} ms")
     if not have_wrk:
         return
     n = args.concurrency
-    dn = wrk(direct, n, secs, body_file)
-    cpu0 = cpu_seconds(gw_pid)
-    gn = wrk(through, n, secs, body_file)
-    cpu = cpu_seconds(gw_pid) - cpu0
+    cpu: list[float] = []
+
+    def through_measured() -> Run:
+        cpu0 = cpu_seconds(gw_pid)
+        run = wrk(through, n, secs, body_file)
+        cpu.append((cpu_seconds(gw_pid) - cpu0) / run.requests * 1e3)
+        return run
+
+    dn, gn = _interleaved(rounds, lambda: wrk(direct, n, secs, body_file), through_measured)
     print(f"\n{n} concurrent requests:")
-    print(f"  direct   {dn.rps:,.0f} req/s  p50 {dn.p50_ms:.2f} ms  p99 {dn.p99_ms:.2f} ms")
-    print(f"  gateway  {gn.rps:,.0f} req/s  p50 {gn.p50_ms:.2f} ms  p99 {gn.p99_ms:.2f} ms")
-    print(
-        f"  gateway CPU {cpu:.2f} s for {gn.requests:,} requests = {cpu / gn.requests * 1e3:.3f} ms/request"
-    )
+    print(_line("direct", dn, 2))
+    print(_line("gateway", gn, 2))
+    per_round = ", ".join(f"{c:.3f}" for c in cpu)
+    print(f"  gateway CPU per request {statistics.median(cpu):.3f} ms (rounds: {per_round})")
+
+
+def _line(label: str, runs: list[Run], digits: int) -> str:
+    p50, p99, rps = _med(runs, "p50_ms"), _med(runs, "p99_ms"), _med(runs, "rps")
+    return f"  {label:<8} {rps:>8,.0f} req/s  p50 {p50:.{digits}f} ms  p99 {p99:.{digits}f} ms"
+
+
+def _interleaved(
+    rounds: int, first: Callable[[], Run], second: Callable[[], Run]
+) -> tuple[list[Run], list[Run]]:
+    a: list[Run] = []
+    b: list[Run] = []
+    for _ in range(rounds):
+        a.append(first())
+        b.append(second())
+    return a, b
+
+
+def _med(runs: list[Run], attr: str) -> float:
+    return statistics.median(float(getattr(r, attr)) for r in runs)
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:

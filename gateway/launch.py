@@ -1,0 +1,247 @@
+"""Child processes for ``warmroute demo`` and ``warmroute bench``: simulated engines and gateways, local.
+
+Children run in a session of their own, so a Ctrl-C in the terminal reaches only this process, which then
+stops them in order (gateways first, then engines). On Linux each child also receives SIGTERM if this
+process dies without cleaning up (``PR_SET_PDEATHSIG``), so even a SIGKILL here leaves no orphans.
+Child output goes to log files in a temporary folder; a child that fails to start is reported with the tail
+of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+LOCALHOST = "127.0.0.1"
+START_TIMEOUT_S = 45.0  # generous: several Python processes import at once on a busy 2-core machine
+STOP_TIMEOUT_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """A child did not start or did not become ready; the message carries its log tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    """Speeds and shape of the simulated engines (see ``warmroute sim --help``)."""
+
+    prefill_tps: float = 4000.0
+    ttft_base_ms: float = 20.0
+    decode_tps: float = 60.0
+    decode_slowdown: float = 0.05
+    answer_tokens: tuple[int, int] = (16, 64)
+    max_running: int = 64
+    cache_tokens: int = 200_000
+    time_scale: float = 1.0
+    seed: int = 0
+
+    def argv(self) -> list[str]:
+        low, high = self.answer_tokens
+        return [
+            *("--prefill-tps", str(self.prefill_tps), "--ttft-base-ms", str(self.ttft_base_ms)),
+            *("--decode-tps", str(self.decode_tps), "--decode-slowdown", str(self.decode_slowdown)),
+            *("--answer-tokens", f"{low}:{high}", "--max-running", str(self.max_running)),
+            *("--cache-tokens", str(self.cache_tokens), "--time-scale", str(self.time_scale)),
+            *("--seed", str(self.seed)),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """An OpenAI-compatible engine as the gateway config names it."""
+
+    id: str
+    url: str
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOCALHOST, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOCALHOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _child_env() -> dict[str, str]:
+    # WARMROUTE_* variables would override the generated config file (the environment wins): drop them.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMROUTE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Launcher:
+    """Owns every child it starts; ``close`` (or leaving the ``with`` block) stops them all."""
+
+    def __init__(self, prefix: str = "warmroute-") -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
+        self.children: list[Child] = []
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- starting ---------------------------------------------------------------------------------------
+
+    def start_sims(self, count: int, profile: SimProfile, model: str) -> list[Engine]:
+        """``count`` simulated engines named engine-1..N; returns once every one answers /health."""
+        started = []
+        for index in range(1, count + 1):
+            name, port = f"engine-{index}", free_port()
+            argv = ["-m", "backends.sim", "--port", str(port), "--name", name, "--model", model]
+            argv += [*profile.argv(), "--log-level", "warning"]
+            started.append(self._spawn(name, port, argv))
+        for child in started:
+            self._wait(child, "/health", lambda r: r.status_code == 200)
+        return [Engine(c.name, c.url) for c in started]
+
+    def start_gateway(
+        self,
+        engines: Sequence[Engine],
+        model: str,
+        policy: str,
+        *,
+        port: int = 0,
+        routing: dict[str, Any] | None = None,
+        api_key: str | None = None,
+        name: str = "gateway",
+    ) -> Child:
+        """``warmroute serve`` in front of ``engines`` (in-memory state); returns once all are ready."""
+        port = port or free_port()
+        backends = [
+            {"id": e.id, "url": e.url, "models": [model], **({"api_key": api_key} if api_key else {})}
+            for e in engines
+        ]
+        config = {
+            "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
+            "backends": backends,
+            "routing": {"policy": policy, **(routing or {})},
+            "health": {"interval_s": 2, "timeout_s": 2, "fail_threshold": 2},
+            "redis": {"url": None},
+        }
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+        child = self._spawn(name, port, ["-m", "gateway.cli", "serve", "--config", str(path)])
+        self._wait(child, "/readyz", _all_backends_ready)
+        return child
+
+    def _spawn(self, name: str, port: int, argv: list[str]) -> Child:
+        log_path = self.workdir / f"{name}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_child_env(),
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        child = Child(name, f"http://{LOCALHOST}:{port}", process, log_path)
+        self.children.append(child)
+        return child
+
+    def _wait(self, child: Child, path: str, ready: Callable[[httpx.Response], bool]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if child.process.poll() is not None:
+                    raise LaunchError(
+                        f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if ready(client.get(child.url + path)):
+                        return
+                time.sleep(0.1)
+        raise LaunchError(
+            f"{child.name} not ready on {child.url} after {START_TIMEOUT_S:.0f}s:\n{child.log_tail()}"
+        )
+
+    # -- watching and stopping -------------------------------------------------------------------------
+
+    def dead(self) -> Iterator[Child]:
+        return (c for c in self.children if c.process.poll() is not None)
+
+    def stop(self, child: Child) -> None:
+        """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``."""
+        process = child.process
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if child in self.children:
+            self.children.remove(child)
+
+    def close(self) -> None:
+        # Gateways were started after the engines they front: stop in reverse order.
+        for child in reversed(list(self.children)):
+            self.stop(child)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _all_backends_ready(response: httpx.Response) -> bool:
+    if response.status_code != 200:
+        return False
+    backends = response.json().get("backends", {})
+    return bool(backends) and all(b.get("state") == "ready" for b in backends.values())
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C inside the block, so the same cleanup runs for both."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
