@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -47,7 +48,7 @@ _ANSWER = json.dumps(
 ).encode()
 
 
-async def upstream_app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def,type-arg]
+async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """The fastest honest upstream: read the body, answer a fixed completion."""
     if scope["type"] != "http":
         return

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from redis.asyncio import Connection
 
 from backends.registry import Registry
 from config.settings import BackendConfig, RedisConfig, RoutingConfig
+from gateway.bench_proxy import free_port
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from gateway.state import AffinityStore, MemoryAffinityStore
 from routing.policies import make_policy
@@ -47,28 +47,6 @@ from routing.types import BackendState, PinAction, RouteRequest
 
 BACKENDS = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")
 TURNS = 5
-_ANSWER = json.dumps(
-    {
-        "id": "x",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "bench",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-    }
-).encode()
-
-
-async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """The fastest honest upstream: read the body, answer a fixed completion."""
-    if scope["type"] != "http":
-        return
-    more = True
-    while more:
-        more = (await receive()).get("more_body", False)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(_ANSWER)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": _ANSWER})
 
 
 class _CountingConnection(Connection):
@@ -174,12 +152,6 @@ def _command_calls(admin: redis.Redis) -> int:
 # -- end to end -----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def _process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
@@ -223,7 +195,7 @@ def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int
     upstream = [
         "-m",
         "uvicorn",
-        "gateway.bench_redis:upstream_app",
+        "gateway.bench_proxy:upstream_app",
         "--port",
         str(up),
         "--log-level",

@@ -3,6 +3,11 @@
     python -m tests.e2e.run_engines                      # 2 engines; prints their URLs; Ctrl-C stops them
     python -m tests.e2e.run_engines -- CMD ARG ...       # run CMD while they serve; {urls} in ARGs expands
 
+Under KV-cache pressure (`--kv-blocks N`: N blocks of 128 tokens per engine) or with any vLLM flag
+(`--engine-arg=--max-num-seqs=8`, repeatable):
+
+    python -m tests.e2e.run_engines --kv-blocks 96 --engine-arg=--max-num-seqs=8
+
 For the routing benchmark on real engines (`--dev-mode` lets it reset their prefix caches between runs):
 
     .venv/bin/python -m tests.e2e.run_engines --dev-mode -- \\
@@ -37,7 +42,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--dev-mode", action="store_true", help="VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache")
     p.add_argument("--compiled", action="store_true", help="torch.compile instead of eager (slower start)")
     p.add_argument("--log-dir", type=Path, help="default: a new temporary directory")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="KV-cache blocks per engine (--num-gpu-blocks-override; 128 tokens each on CPU), "
+        "to put the prefix caches under pressure; default: what VLLM_CPU_KVCACHE_SPACE (1 GiB) holds",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra vLLM argument for every engine, repeatable: --engine-arg=--max-num-seqs=8",
+    )
     return p.parse_args(argv), command
+
+
+def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The arguments appended to every engine's command line."""
+    extra = list(args.engine_arg)
+    if args.kv_blocks is not None:
+        extra += ["--num-gpu-blocks-override", str(args.kv_blocks)]
+    return tuple(extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=ensure_model(venv, args.model),
         served_model_name=args.model,
         enforce_eager=not args.compiled,
+        extra_args=engine_args(args),
         extra_env=(("VLLM_SERVER_DEV_MODE", "1"),) if args.dev_mode else (),
     )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="warmroute-engines-"))
