@@ -39,7 +39,7 @@ from redis.asyncio import Connection
 
 from backends.registry import Registry
 from config.settings import BackendConfig, RedisConfig, RoutingConfig
-from gateway.bench_proxy import free_port
+from gateway.bench_proxy import free_port, wait_http
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from gateway.state import AffinityStore, MemoryAffinityStore
 from routing.policies import make_policy
@@ -162,18 +162,6 @@ def _process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(10)
 
 
-def _wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
-
-
 def _sequential(url: str, seconds: float) -> tuple[int, float, float]:
     lat: list[float] = []
     conv = 0
@@ -202,7 +190,7 @@ def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int
         "warning",
     ]
     with _process([*upstream, "--no-access-log"]):
-        _wait_http(f"http://127.0.0.1:{up}/")
+        wait_http(f"http://127.0.0.1:{up}/")
         for name, redis_section in (
             ("memory", {}),
             ("redis", {"url": url, "prefix": f"bench-e2e-{os.getpid()}:"}),
@@ -221,7 +209,7 @@ def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int
             )
             with _process(["-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]):
                 base = f"http://127.0.0.1:{port}"
-                _wait_http(base + "/readyz")
+                wait_http(base + "/readyz")
                 _sequential(base + "/v1/chat/completions", 1.0)  # warm up
                 out[name] = _sequential(base + "/v1/chat/completions", seconds)
                 state = httpx.get(base + "/readyz").json()["shared_state"]

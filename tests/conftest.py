@@ -48,26 +48,28 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One redis-server for the session; tests keep apart by ``redis_prefix``. Never kill this one."""
+@contextlib.contextmanager
+def _redis() -> Iterator[RedisServer]:
     server = RedisServer(redis_binary())
     server.start()
     try:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the session; tests keep apart by ``redis_prefix``. Never kill this one."""
+    with _redis() as server:
+        yield server
 
 
 @pytest.fixture
 def private_redis() -> Iterator[RedisServer]:
     """A redis-server of this test's own, to kill and restart."""
-    server = RedisServer(redis_binary())
-    server.start()
-    try:
+    with _redis() as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

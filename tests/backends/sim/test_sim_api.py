@@ -13,11 +13,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with asgi_client(SimConfig(name="fast", time_scale=0)) as c:
         yield c

@@ -11,11 +11,6 @@ from backends.sim.testing import asgi_client
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 CFG = SimConfig(time_scale=0, reasoning_tokens=(40, 40), answer_tokens=(6, 6))
 
 
