@@ -92,7 +92,9 @@ class Passthrough(_Endpoint):
             body = parse_object(raw)
             if "model" in body:
                 model = require_model(body)
-        path = scope["path"]
+        # raw_path keeps the client's percent-encoding; "path" is decoded and may hold spaces.
+        raw_path = scope.get("raw_path")
+        path = raw_path.decode("latin-1") if raw_path else scope["path"]
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
         return Outbound(scope["method"], path, raw, model, path)

@@ -90,3 +90,11 @@ def test_healthz_and_readyz(cluster: ClusterFactory) -> None:
     assert ready.status_code == 200
     assert ready.json()["backends"]["a"]["state"] == "ready"
     assert ready.json()["shared_state"]["backend"] == "memory"
+
+
+def test_passthrough_keeps_percent_encoding_and_query(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])
+    r = httpx.get(c.url + "/v1/files/a%20b?limit=2")
+    # The fake engine has no such route: its own 404 comes back, not a gateway 500.
+    assert r.status_code == 404
+    assert r.headers["x-warmroute-backend"] == "a"
