@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from backends.sim import config as sim_defaults
+
 LOCALHOST = "127.0.0.1"
 START_TIMEOUT_S = 45.0  # generous: several Python processes import at once on a busy 2-core machine
 STOP_TIMEOUT_S = 5.0
@@ -42,13 +44,13 @@ class LaunchError(RuntimeError):
 class SimProfile:
     """Speeds and shape of the simulated engines (see ``warmroute sim --help``)."""
 
-    prefill_tps: float = 4000.0
-    ttft_base_ms: float = 20.0
-    decode_tps: float = 60.0
-    decode_slowdown: float = 0.05
+    prefill_tps: float = sim_defaults.DEFAULT_PREFILL_TPS
+    ttft_base_ms: float = sim_defaults.DEFAULT_TTFT_BASE_MS
+    decode_tps: float = 60.0  # a little faster than the sim's default, so bench runs finish sooner
+    decode_slowdown: float = sim_defaults.DEFAULT_DECODE_SLOWDOWN
     answer_tokens: tuple[int, int] = (16, 64)
-    max_running: int = 64
-    cache_tokens: int = 200_000
+    max_running: int = sim_defaults.DEFAULT_MAX_RUNNING
+    cache_tokens: int = sim_defaults.DEFAULT_CACHE_TOKENS
     time_scale: float = 1.0
     seed: int = 0
 
