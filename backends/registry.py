@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from config.settings import BackendConfig
 from routing.types import BackendState, Candidate
@@ -27,21 +28,40 @@ class Backend:
         return self.cfg.id
 
 
+class LeaseListener(Protocol):
+    """Told of every lease taken and released (the shared-state store publishes the counts). No I/O."""
+
+    def started(self, backend: str) -> None: ...
+
+    def finished(self, backend: str) -> None: ...
+
+
+class _NoListener:
+    def started(self, backend: str) -> None:
+        return None
+
+    def finished(self, backend: str) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class Lease:
-    """One request's claim on a backend's capacity. ``release`` is idempotent."""
+    """One request's claim on a backend's capacity: the only in-flight ledger. ``release`` is idempotent."""
 
     backend: Backend
+    listener: LeaseListener
     released: bool = field(default=False)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.backend.in_flight -= 1
+            self.listener.finished(self.backend.id)
 
 
 class Registry:
-    def __init__(self, configs: Iterable[BackendConfig]) -> None:
+    def __init__(self, configs: Iterable[BackendConfig], listener: LeaseListener | None = None) -> None:
+        self.listener: LeaseListener = listener or _NoListener()
         self.backends: dict[str, Backend] = {c.id: Backend(c) for c in configs}
         self._by_model: dict[str, list[Backend]] = {}
         for b in self.backends.values():
@@ -77,9 +97,11 @@ class Registry:
         )
 
     def lease(self, backend_id: str) -> Lease:
+        """Count one request on ``backend_id`` until the returned lease is released."""
         b = self.backends[backend_id]
         b.in_flight += 1
-        return Lease(b)
+        self.listener.started(backend_id)
+        return Lease(b, self.listener)
 
     def any_ready(self) -> bool:
         return any(b.state is BackendState.READY for b in self.backends.values())

@@ -19,14 +19,17 @@ from starlette.routing import Route
 
 from backends.health import HealthChecker
 from backends.registry import Registry
-from config.settings import Settings, load_settings
-from gateway.endpoints import ChatCompletions, Completions, Passthrough
+from config.settings import RoutingConfig, Settings, load_settings
+from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
 from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
-from routing.policies import make_policy
+from gateway.upstream import UpstreamPool
+from routing.params import RoutingParams
+from routing.policies import Policy, make_policy
+from routing.policies.least_loaded import LeastLoadedPolicy
 
 log = logging.getLogger("warmroute")
 
@@ -38,11 +41,11 @@ class Gateway:
 
     def __init__(self, settings: Settings, store: AffinityStore | None = None) -> None:
         self.settings = settings
-        self.registry = Registry(settings.backends)
-        self.metrics = Metrics(self.registry)
         self.store: AffinityStore = store or make_store(settings)
+        self.registry = Registry(settings.backends, listener=self.store)  # leases drive the shared counts
+        self.metrics = Metrics(self.registry)
         self.metrics.degraded.set_function(lambda: 1.0 if self.store.status().get("degraded") else 0.0)
-        self.policy = make_policy(settings.routing)
+        self.policy = make_policy(routing_params(settings.routing))
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
                 max_connections=settings.limits.max_connections,
@@ -51,7 +54,14 @@ class Gateway:
             follow_redirects=False,
         )
         self.health = HealthChecker(self.registry, self.client, settings.health)
-        self.proxy = Proxy(settings, self.registry, self.store, self.policy, self.health, self.metrics)
+        # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
+        self.transport = UpstreamPool(
+            connect_timeout=settings.timeouts.connect_s,
+            max_connections_per_origin=settings.limits.max_connections,
+        )
+        self.proxy = Proxy(
+            settings.timeouts, self.registry, self.store, self.health, self.metrics, self.transport
+        )
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -69,9 +79,19 @@ class Gateway:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
-            await self.proxy.aclose()
+            await self.transport.aclose()
             await self.client.aclose()
             await self.store.aclose()
+
+
+def routing_params(cfg: RoutingConfig) -> RoutingParams:
+    """Routing's own frozen copy of its settings (``routing/`` never imports pydantic)."""
+    return RoutingParams(
+        policy=cfg.policy.value,
+        spill_factor=cfg.spill_factor,
+        spill_min_in_flight=cfg.spill_min_in_flight,
+        repin_on_spill=cfg.repin_on_spill,
+    )
 
 
 def make_store(settings: Settings) -> AffinityStore:
@@ -84,6 +104,12 @@ def make_store(settings: Settings) -> AffinityStore:
 def create_app(settings: Settings, store: AffinityStore | None = None) -> Starlette:
     gw = Gateway(settings, store)
     max_body = settings.limits.max_body_bytes
+
+    def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
+        return cls(gw.proxy, settings.routing, max_body, policy)
+
+    chat = endpoint(ChatCompletions, gw.policy)
+    completions = endpoint(Completions, gw.policy)
 
     async def models(_request: Request) -> Response:
         return JSONResponse(
@@ -100,25 +126,30 @@ def create_app(settings: Settings, store: AffinityStore | None = None) -> Starle
         return JSONResponse({"status": "ok"})
 
     async def readyz(_request: Request) -> Response:
-        backends = {
-            b.id: {"state": b.state.value, "in_flight": b.in_flight, "last_error": b.last_error}
-            for b in gw.registry.backends.values()
-        }
+        # Served on the API port without auth: ids and states only. URLs, error text and exception details
+        # go to the log (and the admin API).
+        backends = {b.id: {"state": b.state.value} for b in gw.registry.backends.values()}
+        shared = gw.store.status()
         ready = gw.registry.any_ready()
-        body = {"ready": ready, "backends": backends, "shared_state": gw.store.status()}
+        body = {
+            "ready": ready,
+            "backends": backends,
+            "shared_state": {"backend": shared.get("backend"), "degraded": bool(shared.get("degraded"))},
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(_request: Request) -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
-        Route(
-            "/v1/chat/completions", ChatCompletions(gw.proxy, settings.routing, max_body), methods=["POST"]
-        ),
-        Route("/v1/completions", Completions(gw.proxy, settings.routing, max_body), methods=["POST"]),
+        # A trailing slash reaches the same endpoint (validation and affinity included), never the engine.
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/chat/completions/", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/completions/", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/v1/{rest:path}", Passthrough(gw.proxy, settings.routing, max_body)),
+        Route("/v1/{rest:path}", endpoint(Passthrough, LeastLoadedPolicy())),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

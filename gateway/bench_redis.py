@@ -39,6 +39,7 @@ from redis.asyncio import Connection
 
 from backends.registry import Registry
 from config.settings import BackendConfig, RedisConfig, RoutingConfig
+from gateway.app import routing_params
 from gateway.bench_proxy import free_port, wait_http
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from gateway.state import AffinityStore, MemoryAffinityStore
@@ -85,14 +86,14 @@ async def _route_one(store: AffinityStore, registry: Registry, policy: Any, key:
     t = time.perf_counter()
     view = await store.view(key)
     decision = policy.select(
-        registry.snapshot(None, view.conversations, view.in_flight), RouteRequest(key, view.pinned)
+        registry.snapshot(None, view.conversations, view.in_flight), RouteRequest(key, view.pinned), t
     )
     assert decision.backend is not None
     backend = decision.backend
     if decision.pin is not PinAction.NONE:
         backend = await store.commit(key, decision)
-    await store.started(backend)
-    await store.finished(backend)
+    store.started(backend)
+    store.finished(backend)
     return time.perf_counter() - t
 
 
@@ -100,7 +101,7 @@ async def _drive(store: AffinityStore, requests: int, concurrency: int, tag: str
     registry = Registry(BackendConfig(id=b, url="http://127.0.0.1:1", models=("bench",)) for b in BACKENDS)
     for b in registry.backends.values():
         b.state = BackendState.READY
-    policy = make_policy(RoutingConfig())
+    policy = make_policy(routing_params(RoutingConfig()))
     # Conversation c's turns are requests c*TURNS .. c*TURNS+4, interleaved over many live conversations.
     keys = [f"{tag}-conv-{(i % 200) + 200 * (i // (200 * TURNS))}" for i in range(requests)]
     lat: list[float] = []

@@ -1,11 +1,17 @@
-"""OpenAI endpoints as pure ASGI apps: parse and validate what we own, key the conversation, hand to Proxy."""
+"""OpenAI endpoints as pure ASGI apps: read and validate what we own, key the conversation, hand a
+``RequestContext`` to the proxy."""
 
 from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import unquote
 
 from starlette.types import Receive, Scope, Send
 
 from config.settings import RoutingConfig
-from gateway.errors import GatewayError, MethodNotAllowed
+from gateway.context import RequestContext
+from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
 from gateway.inbound import (
     ClientGone,
     header,
@@ -15,86 +21,114 @@ from gateway.inbound import (
     validate_chat,
     validate_completion,
 )
-from gateway.proxy import Outbound, Proxy, send_error
+from gateway.proxy import Proxy
 from routing.keys import chat_key, completion_key, session_key
 from routing.policies import Policy
-from routing.policies.least_loaded import LeastLoadedPolicy
 
-_OWNED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+OWNED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+#: Methods forwarded on other /v1 routes (the OpenAI API uses these; TRACE, PROPFIND... are refused).
+FORWARDED_METHODS = frozenset({"GET", "HEAD", "POST", "DELETE"})
+# After one percent-decoding: a dot segment, an (encoded) backslash, a control character, or what would
+# still decode into one of those on an engine or front proxy that decodes again.
+_UNSAFE = re.compile(r"(^|/)\.{1,2}(/|$)|\\|[\x00-\x1f\x7f]|%(2e|2f|5c|00)", re.IGNORECASE)
+_FRAMING = re.compile(r"[\x00-\x20\x7f]")  # would split or corrupt the request line upstream
 
 
-class _Endpoint:
-    """Read the body, validate, key, forward. Subclasses say how to validate and key."""
+class Endpoint:
+    """Read the body, build the context, forward. Subclasses say how to validate and key."""
 
-    path = ""
-
-    def __init__(self, proxy: Proxy, routing: RoutingConfig, max_body: int) -> None:
+    def __init__(self, proxy: Proxy, routing: RoutingConfig, max_body: int, policy: Policy) -> None:
         self.proxy = proxy
         self.routing = routing
         self.max_body = max_body
+        self.policy = policy
         self.session_header = routing.session_header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             raw = await read_body(scope, receive, self.max_body)
-            out = self.outbound(scope, raw)
+            ctx = self.context(scope, raw)
         except GatewayError as err:
-            await send_error(send, err)
+            await self.proxy.reject(send, err)
             return
         except ClientGone:
             return
-        await self.proxy.forward(scope, receive, send, out, self.policy())
+        await self.proxy.forward(receive, send, ctx)
 
-    def policy(self) -> Policy:
-        return self.proxy.policy
-
-    def outbound(self, scope: Scope, raw: bytes) -> Outbound:
+    def context(self, scope: Scope, raw: bytes) -> RequestContext:
         raise NotImplementedError
 
     def session(self, scope: Scope, model: str) -> str | None:
         sid = header(scope, self.session_header)
         return session_key(model, sid.decode("latin-1")) if sid else None
 
+    def make(
+        self, scope: Scope, path: str, raw: bytes, body: dict[str, Any] | None, model: str | None, key: str
+    ) -> RequestContext:
+        return RequestContext(scope["method"], path, raw, body, model, key, self.policy, scope["headers"])
 
-class ChatCompletions(_Endpoint):
-    def outbound(self, scope: Scope, raw: bytes) -> Outbound:
+
+class ChatCompletions(Endpoint):
+    def context(self, scope: Scope, raw: bytes) -> RequestContext:
         body = parse_object(raw)
         model = validate_chat(body)
         key = self.session(scope, model) or chat_key(body)
-        return Outbound("POST", "/v1/chat/completions", raw, model, key)
+        return self.make(scope, "/v1/chat/completions", raw, body, model, key)
 
 
-class Completions(_Endpoint):
-    def outbound(self, scope: Scope, raw: bytes) -> Outbound:
+class Completions(Endpoint):
+    def context(self, scope: Scope, raw: bytes) -> RequestContext:
         body = parse_object(raw)
         model = validate_completion(body)
         key = self.session(scope, model) or completion_key(
             model, body["prompt"], self.routing.completion_key_chars
         )
-        return Outbound("POST", "/v1/completions", raw, model, key)
+        return self.make(scope, "/v1/completions", raw, body, model, key)
 
 
-class Passthrough(_Endpoint):
-    """Any other /v1/* route (embeddings, responses, ...): the least loaded backend serving the model."""
+class Passthrough(Endpoint):
+    """Any other /v1/* route (embeddings, responses, files, ...): the least loaded backend serving the model.
 
-    def __init__(self, proxy: Proxy, routing: RoutingConfig, max_body: int) -> None:
-        super().__init__(proxy, routing, max_body)
-        self._policy = LeastLoadedPolicy()
+    The body is forwarded untouched (``body`` stays None: prepare steps leave these routes alone); only its
+    ``model`` is read, to pick a backend that serves it.
+    """
 
-    def policy(self) -> Policy:
-        return self._policy
-
-    def outbound(self, scope: Scope, raw: bytes) -> Outbound:
-        if scope["path"] in _OWNED_PATHS:  # routes we serve ourselves, reached with the wrong method
-            raise MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}")
+    def context(self, scope: Scope, raw: bytes) -> RequestContext:
+        method = scope["method"]
+        if scope["path"].rstrip("/") in OWNED_PATHS:  # routes we serve ourselves, with the wrong method
+            raise MethodNotAllowed(f"{method} is not allowed on {scope['path']}")
+        if method not in FORWARDED_METHODS:
+            raise MethodNotAllowed(
+                f"{method} is not forwarded; use one of {', '.join(sorted(FORWARDED_METHODS))}"
+            )
+        path = upstream_path(scope)
         model: str | None = None
         if raw.strip():
             body = parse_object(raw)
             if "model" in body:
                 model = require_model(body)
-        # raw_path keeps the client's percent-encoding; "path" is decoded and may hold spaces.
-        raw_path = scope.get("raw_path")
-        path = raw_path.decode("latin-1") if raw_path else scope["path"]
-        if scope.get("query_string"):
-            path += "?" + scope["query_string"].decode("latin-1")
-        return Outbound(scope["method"], path, raw, model, path)
+        return self.make(scope, path, raw, None, model, path)
+
+
+def upstream_path(scope: Scope) -> str:
+    """The client's /v1 path and query as they go upstream, or BadRequest if it could escape /v1.
+
+    ``raw_path`` keeps the client's percent-encoding ("path" is decoded and may hold spaces); the checks run
+    on its decoded form, so ``%2e%2e`` is refused like ``..``.
+    """
+    raw_path: bytes | None = scope.get("raw_path")
+    path: str = raw_path.decode("latin-1") if raw_path else scope["path"]
+    decoded = unquote(path, encoding="latin-1")
+    if not decoded.startswith("/v1/") or "//" in decoded or _UNSAFE.search(decoded) or "%2f" in path.lower():
+        raise BadRequest(
+            "request path must stay under /v1/ without dot segments, empty segments, backslashes, "
+            "encoded slashes or control characters",
+            param="path",
+        )
+    query = scope.get("query_string")
+    if query:
+        text = query.decode("latin-1")
+        if _FRAMING.search(text):
+            raise BadRequest("query string holds spaces or control characters", param="query")
+        path += "?" + text
+    return path

@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from backends.registry import Registry
+from gateway.outcomes import AttemptOutcome, RequestOutcome
 from routing.types import BackendState, Reason
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -25,15 +26,21 @@ class Metrics:
         self.decisions = Counter(
             "warmroute_routing_decisions_total", "Routing decisions by reason", ["reason"], registry=r
         )
-        self.upstream = Counter(
-            "warmroute_upstream_requests_total",
-            "Upstream requests by backend and outcome",
+        self.attempts = Counter(
+            "warmroute_upstream_attempts_total",
+            "Upstream attempts by backend and outcome (a retried request makes two)",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "warmroute_requests_total",
+            "Client requests by the backend that answered (empty: none) and outcome",
             ["backend", "outcome"],
             registry=r,
         )
         self.ttfb = Histogram(
             "warmroute_upstream_first_byte_seconds",
-            "Time from routing to the first response byte from the engine (TTFT when streaming)",
+            "Time from the request's arrival to the first body byte from the engine (TTFT when streaming)",
             ["backend"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -50,22 +57,32 @@ class Metrics:
         )
         r.register(_BackendCollector(backends))
         self._decision_children = {reason: self.decisions.labels(reason.value) for reason in Reason}
-        self._outcomes: dict[tuple[str, str], Any] = {}
+        # Label children are cached: these run on every request.
+        self._attempt_children: dict[tuple[str, AttemptOutcome], Any] = {}
+        self._request_children: dict[tuple[str, RequestOutcome], Any] = {}
         self._timings: dict[str, tuple[Any, Any]] = {}
 
     def decision(self, reason: Reason) -> None:
         self._decision_children[reason].inc()
 
-    def upstream_outcome(self, backend: str, outcome: str) -> None:
-        self.upstream.labels(backend, outcome).inc()
-
-    def finished(self, backend: str, outcome: str, duration_s: float, first_byte_s: float | None) -> None:
-        """One proxied request is over. Label children are cached: this runs on every request."""
+    def attempt(self, backend: str, outcome: AttemptOutcome) -> None:
         key = (backend, outcome)
-        child = self._outcomes.get(key)
+        child = self._attempt_children.get(key)
         if child is None:
-            child = self._outcomes[key] = self.upstream.labels(backend, outcome)
+            child = self._attempt_children[key] = self.attempts.labels(backend, outcome.value)
         child.inc()
+
+    def request(
+        self, backend: str, outcome: RequestOutcome, duration_s: float, first_byte_s: float | None
+    ) -> None:
+        """One client request is over (``backend`` empty when none was chosen)."""
+        key = (backend, outcome)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(backend, outcome.value)
+        child.inc()
+        if not backend:
+            return
         timing = self._timings.get(backend)
         if timing is None:
             timing = self._timings[backend] = (self.duration.labels(backend), self.ttfb.labels(backend))

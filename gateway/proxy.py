@@ -1,11 +1,18 @@
-"""The hot path: route one request, send it upstream, relay the answer chunk by chunk.
+"""The hot path, as named phases around one ``RequestContext``:
 
-Pure ASGI (no Request/Response objects, no BaseHTTPMiddleware): the proxy owns the whole exchange so that
+    route -> (prepare -> send) per attempt, at most two -> relay -> finish
 
-- a connect error, timeout or 5xx *before the first byte* is retried once on the next choice, unseen;
-- a failure *after* bytes were sent ends an SSE stream with an error event and ``[DONE]``, never a hang;
-- a client disconnect at any point (waiting for headers or mid-stream) cancels the upstream request;
-- the in-flight lease is released in one ``finally``, whatever happened.
+- route: a snapshot of the candidates, the pure policy's ``Decision``, the pin committed to the store;
+- prepare: the configured ``PrepareStep``s shape a ``Draft`` for the chosen backend (per attempt, from the
+  original body; untouched bodies go upstream as the client's own bytes);
+- send: one upstream attempt, transport errors mapped here and nowhere else. A connect error, timeout or 5xx
+  *before the first byte* is retried once on the next choice, unseen by the client;
+- relay: the response streamed through unbuffered; a failure *after* bytes were sent ends an SSE stream with
+  an error event and ``[DONE]``, never a hang. Engine silence is timed, the client's reading is not;
+- finish: the upstream response closed (that cancels the engine's work), the lease released, the request
+  counted: in one ``finally``, whatever happened. A client disconnect at any point cancels the request.
+
+Pure ASGI: no Request/Response objects, no BaseHTTPMiddleware.
 """
 
 from __future__ import annotations
@@ -13,17 +20,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from backends.health import HealthChecker
-from backends.registry import Lease, Registry
-from config.settings import Settings
+from backends.registry import Registry
+from config.settings import TimeoutConfig
+from gateway.context import Draft, PrepareStep, RequestContext
 from gateway.errors import GatewayError, ModelNotFound, NoHealthyBackend, UpstreamError, UpstreamTimeout
-from gateway.inbound import header
 from gateway.metrics import Metrics
-from gateway.state import AffinityStore
+from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
+from gateway.relay import Expiry, SilenceWatch, body, response_head, send_error, sse_error
+from gateway.state import AffinityStore, StoreView
 from gateway.upstream import (
     UpstreamConnectError,
     UpstreamPool,
@@ -31,219 +40,209 @@ from gateway.upstream import (
     UpstreamReadError,
     UpstreamResponse,
 )
-from routing.policies import Policy
-from routing.types import BackendState, PinAction, Reason, RouteRequest
+from routing.types import BackendState, Decision, PinAction, RouteRequest
 
 log = logging.getLogger("warmroute.proxy")
 
-_SSE = b"text/event-stream"
-_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass(slots=True)
-class Exchange:
-    """Per-request state shared by the relay and the disconnect watcher."""
-
-    task: asyncio.Task[None]
-    started_at: float
-    client_gone: bool = False
-    finished: bool = False  # the last body message is being sent; a disconnect now is normal
-    lease: Lease | None = None
-    upstream: UpstreamResponse | None = None  # closed in ``finally``: that is what cancels the engine's work
-    outcome: str = "error"
-    reason: Reason = Reason.NO_BACKEND
-    first_byte_at: float | None = field(default=None)
-
-
-@dataclass(frozen=True, slots=True)
-class Outbound:
-    """What to send upstream: the original bytes, plus routing inputs."""
-
-    method: str
-    path: str
-    raw: bytes
-    model: str | None
-    key: str
+Attempt = UpstreamResponse | UpstreamError
 
 
 class Proxy:
     def __init__(
         self,
-        settings: Settings,
+        timeouts: TimeoutConfig,
         registry: Registry,
         store: AffinityStore,
-        policy: Policy,
         health: HealthChecker,
         metrics: Metrics,
+        transport: UpstreamPool,
+        steps: Sequence[PrepareStep] = (),
     ) -> None:
         self.registry = registry
         self.store = store
-        self.policy = policy
         self.health = health
         self.metrics = metrics
-        self.timeouts = settings.timeouts
-        # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
-        self.pool = UpstreamPool(
-            connect_timeout=settings.timeouts.connect_s,
-            max_connections_per_origin=settings.limits.max_connections,
-        )
+        self.timeouts = timeouts
+        self.transport = transport
+        self.steps = tuple(steps)
 
-    async def aclose(self) -> None:
-        await self.pool.aclose()
-
-    async def forward(
-        self, scope: Scope, receive: Receive, send: Send, out: Outbound, policy: Policy
-    ) -> None:
-        task = asyncio.current_task()
+    async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
+        ctx.task = task = asyncio.current_task()
         assert task is not None
-        ex = Exchange(task, time.monotonic())
-        watcher = asyncio.create_task(_watch_disconnect(receive, ex))
+        watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
         try:
             try:
-                upstream = await self._open(scope, out, policy, ex)
+                upstream = await self._open(ctx)
             except GatewayError as err:
-                ex.outcome = err.code
-                ex.finished = True
+                ctx.outcome = _outcome_of(err)
+                ctx.finishing = True
                 await send_error(send, err)
                 return
-            await self._relay(upstream, send, ex)
+            await self._relay(ctx, upstream, send)
         except asyncio.CancelledError:
-            if not ex.client_gone:
+            if not ctx.client_gone:
                 raise
             task.uncancel()
-            ex.outcome = "client_disconnect"
+            ctx.outcome = RequestOutcome.CLIENT_DISCONNECT
         finally:
             watcher.cancel()
-            await self._finish(ex)
+            await self._finish(ctx)
 
-    async def _open(self, scope: Scope, out: Outbound, policy: Policy, ex: Exchange) -> UpstreamResponse:
-        """Route and send; retry once on the next choice if the first backend fails before answering."""
-        if out.model is not None and not self.registry.serves(out.model):
+    async def reject(self, send: Send, err: GatewayError) -> None:
+        """Answer a request refused before routing (bad input) and count it."""
+        self.metrics.request(NO_BACKEND_LABEL, _outcome_of(err), 0.0, None)
+        await send_error(send, err)
+
+    # -- route ----------------------------------------------------------------------------------------
+
+    async def _open(self, ctx: RequestContext) -> UpstreamResponse:
+        """Route, prepare, send; once more on the next choice if the first backend fails before answering."""
+        if ctx.model is not None and not self.registry.serves(ctx.model):
+            available = ", ".join(self.registry.models())
             raise ModelNotFound(
-                f"model {out.model!r} is not served here; available: {', '.join(self.registry.models())}",
-                param="model",
+                f"model {ctx.model!r} is not served here; available: {available}", param="model"
             )
-        view = await self.store.view(out.key if policy.uses_affinity else None)
-        candidates = self.registry.snapshot(out.model, view.conversations, view.in_flight)
-        decision = policy.select(candidates, RouteRequest(out.key, view.pinned))
-        if decision.backend is None:
-            raise NoHealthyBackend(self._nothing_ready(out.model))
-        backend = decision.backend
-        if decision.pin is not PinAction.NONE:
-            winner = await self.store.commit(out.key, decision)
-            if winner != backend and self._routable(winner):
-                backend = winner  # another replica claimed this conversation first
-        self.metrics.decision(decision.reason)
-        ex.reason = decision.reason
-        result = await self._attempt(scope, out, backend, ex)
+        view = await self.store.view(ctx.key if ctx.policy.uses_affinity else None)
+        ctx.pinned = view.pinned
+        first = self._route(ctx, view, frozenset())
+        if first.backend is None:
+            raise NoHealthyBackend(self._nothing_ready(ctx.model))
+        backend = await self._commit(ctx, first)
+        result = await self._attempt(ctx, backend)
         if isinstance(result, UpstreamResponse) and result.status < 500:
             return result
-        retry = policy.select(
-            self.registry.snapshot(out.model, view.conversations, view.in_flight),
-            RouteRequest(out.key, view.pinned, exclude=frozenset({backend})),
-        )
+        retry = self._route(ctx, view, frozenset({backend}))
         if retry.backend is None:
             if isinstance(result, UpstreamResponse):
                 return result  # nobody else to ask: the engine's own 5xx is the most useful answer
             raise result
-        await self._abandon(result, ex)
-        self.metrics.decision(retry.reason)
-        ex.reason = retry.reason
-        result = await self._attempt(scope, out, retry.backend, ex)
+        await self._abandon(ctx, result)
+        result = await self._attempt(ctx, await self._commit(ctx, retry))
         if isinstance(result, UpstreamResponse):
             return result
         raise result
 
-    async def _attempt(
-        self, scope: Scope, out: Outbound, backend_id: str, ex: Exchange
-    ) -> UpstreamResponse | UpstreamError:
+    def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
+        candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
+        request = RouteRequest(ctx.key, ctx.pinned, exclude)
+        return ctx.policy.select(candidates, request, time.monotonic())
+
+    async def _commit(self, ctx: RequestContext, decision: Decision) -> str:
+        assert decision.backend is not None
+        backend = decision.backend
+        if decision.pin is not PinAction.NONE:
+            winner = await self.store.commit(ctx.key, decision)
+            ctx.pinned = winner
+            if winner != backend and self._routable(winner):
+                backend = winner  # another replica claimed this conversation first
+        self.metrics.decision(decision.reason)
+        ctx.reason = decision.reason
+        return backend
+
+    # -- prepare and send -----------------------------------------------------------------------------
+
+    async def _attempt(self, ctx: RequestContext, backend_id: str) -> Attempt:
         backend = self.registry.backends[backend_id]
-        ex.lease = self.registry.lease(backend_id)
-        await self.store.started(backend_id)
-        headers = _upstream_headers(scope, backend.cfg.api_key)
+        ctx.lease = self.registry.lease(backend_id)
+        draft = Draft(ctx.body)
+        for step in self.steps:
+            await step.prepare(ctx, backend, draft)
+        payload = draft.payload(ctx.raw)
+        headers = upstream_headers(ctx.headers, backend.cfg.api_key)
+        budget = min(self.timeouts.first_byte_s, self._remaining(ctx))
         try:
-            async with asyncio.timeout(self.timeouts.first_byte_s):
-                response = await self.pool.request(out.method, backend.cfg.url, out.path, headers, out.raw)
+            async with asyncio.timeout(budget):
+                response = await self.transport.request(
+                    ctx.method, backend.cfg.url, ctx.path, headers, payload
+                )
         except TimeoutError:
-            self.metrics.upstream_outcome(backend_id, "timeout")
-            return UpstreamTimeout(
-                f"backend {backend_id} sent no response within {self.timeouts.first_byte_s}s"
+            return self._failed(
+                backend_id, AttemptOutcome.TIMEOUT, UpstreamTimeout, "sent no response in time"
             )
         except UpstreamConnectError as exc:
             self.health.mark_failed(backend, f"connect failed: {exc}")
-            self.metrics.upstream_outcome(backend_id, "connect_error")
-            return UpstreamError(f"backend {backend_id} is unreachable")
+            return self._failed(backend_id, AttemptOutcome.CONNECT_ERROR, UpstreamError, "is unreachable")
         except (UpstreamProtocolError, UpstreamReadError) as exc:
-            self.metrics.upstream_outcome(backend_id, "error")
-            return UpstreamError(f"backend {backend_id} failed before answering: {type(exc).__name__}")
-        ex.upstream = response
-        if response.status >= 500:
-            self.metrics.upstream_outcome(backend_id, "http_5xx")
+            log.warning("backend %s failed before answering: %s", backend_id, exc)
+            return self._failed(backend_id, AttemptOutcome.BROKEN, UpstreamError, "failed before answering")
+        ctx.upstream = response
+        failed = response.status >= 500
+        self.metrics.attempt(backend_id, AttemptOutcome.HTTP_5XX if failed else AttemptOutcome.OK)
         return response
 
-    async def _abandon(self, result: UpstreamResponse | UpstreamError, ex: Exchange) -> None:
+    def _failed(
+        self, backend: str, outcome: AttemptOutcome, error: type[UpstreamError], what: str
+    ) -> UpstreamError:
+        self.metrics.attempt(backend, outcome)
+        return error(f"backend {backend} {what}")
+
+    async def _abandon(self, ctx: RequestContext, result: Attempt) -> None:
         """Drop a failed first attempt before the retry: close its response, give its lease back."""
         if isinstance(result, UpstreamResponse):
             await result.aclose()
-        ex.upstream = None
-        await self._release(ex)
+        ctx.upstream = None
+        if ctx.lease is not None:
+            ctx.lease.release()
 
-    async def _relay(self, upstream: UpstreamResponse, send: Send, ex: Exchange) -> None:
-        content_type = upstream.header(b"content-type") or b"application/json"
-        sse = content_type.startswith(_SSE)
-        headers = [(b"content-type", content_type)]
-        if sse:
-            headers.append((b"cache-control", b"no-cache"))
-        else:
-            length = upstream.header(b"content-length")
-            if length is not None:
-                headers.append((b"content-length", length))
-        assert ex.lease is not None
-        headers.append((b"x-warmroute-backend", ex.lease.backend.id.encode()))
-        headers.append((b"x-warmroute-route", ex.reason.value.encode()))
-        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
-        try:
-            await self._pump(upstream, send, ex)
-        except (UpstreamReadError, TimeoutError) as exc:
-            ex.outcome = "mid_stream_error"
-            log.warning("backend %s broke mid-response: %r", ex.lease.backend.id, exc)
-            if not sse:
-                raise UpstreamBroke(f"backend {ex.lease.backend.id} broke mid-response") from exc
-            err = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
-            message = f"backend {ex.lease.backend.id} failed mid-stream ({type(exc).__name__})"
-            ex.finished = True
-            await send(_body(b"event: error\ndata: " + err(message).body() + b"\n\n" + _DONE, more=False))
-            return
-        ex.outcome = "ok" if upstream.status < 400 else f"http_{upstream.status // 100}xx"
-        ex.finished = True
-        await send(_body(b"", more=False))
+    # -- relay ----------------------------------------------------------------------------------------
 
-    async def _pump(self, upstream: UpstreamResponse, send: Send, ex: Exchange) -> None:
+    async def _relay(self, ctx: RequestContext, upstream: UpstreamResponse, send: Send) -> None:
+        assert ctx.lease is not None and ctx.task is not None
+        backend = ctx.lease.backend.id
+        sse, head = response_head(upstream, backend, ctx.reason)
+        await send(head)
         loop = asyncio.get_running_loop()
-        deadline = ex.started_at - time.monotonic() + loop.time() + self.timeouts.request_s
-        read_s = self.timeouts.read_s
-        async with asyncio.timeout(min(deadline, loop.time() + read_s)) as budget:
+        watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
+        try:
             async for chunk in upstream.aiter_raw():
-                if ex.first_byte_at is None:
-                    ex.first_byte_at = time.monotonic()
-                await send(_body(chunk, more=True))
-                budget.reschedule(min(deadline, loop.time() + read_s))
-
-    async def _finish(self, ex: Exchange) -> None:
-        if ex.upstream is not None:
-            await ex.upstream.aclose()  # unfinished body: closes the connection, and the engine stops
-        lease = ex.lease
-        if lease is None:
+                if ctx.first_byte_at is None:
+                    ctx.first_byte_at = time.monotonic()
+                watch.sending = True
+                await send(body(chunk, more=True))
+                watch.chunk_sent()
+        except asyncio.CancelledError:
+            if watch.fired is None:
+                raise  # the client left, or the server is stopping
+            ctx.task.uncancel()
+            failure: str = f"sent nothing for {self.timeouts.read_s:g}s"
+            if watch.fired is Expiry.DEADLINE:
+                failure = f"did not finish within request_s={self.timeouts.request_s:g}s"
+            error: UpstreamError = UpstreamTimeout(f"backend {backend} {failure}")
+        except UpstreamReadError as exc:
+            log.warning("backend %s broke mid-response: %s", backend, exc)
+            error = UpstreamError(f"backend {backend} failed mid-stream (the connection broke)")
+        else:
+            ctx.outcome = _answered(upstream.status)
+            ctx.finishing = True
+            await send(body(b"", more=False))
             return
-        await self._release(ex)
-        first_byte = None if ex.first_byte_at is None else ex.first_byte_at - ex.started_at
-        self.metrics.finished(lease.backend.id, ex.outcome, time.monotonic() - ex.started_at, first_byte)
+        finally:
+            watch.cancel()
+        ctx.outcome = RequestOutcome.MID_STREAM_ERROR
+        if sse:
+            ctx.finishing = True
+            await send(sse_error(error))
+        else:
+            # A non-streamed body's status line is gone: returning without finishing makes the server close
+            # the connection, which is the only honest signal left.
+            log.warning("%s; closing the client connection", error.message)
 
-    async def _release(self, ex: Exchange) -> None:
-        lease = ex.lease
-        if lease is not None and not lease.released:
-            lease.release()
-            await self.store.finished(lease.backend.id)
+    # -- finish ---------------------------------------------------------------------------------------
+
+    async def _finish(self, ctx: RequestContext) -> None:
+        if ctx.upstream is not None:
+            await ctx.upstream.aclose()  # an unfinished body closes the connection, and the engine stops
+        duration = time.monotonic() - ctx.started_at
+        first_byte = None if ctx.first_byte_at is None else ctx.first_byte_at - ctx.started_at
+        lease = ctx.lease
+        if lease is None:
+            self.metrics.request(NO_BACKEND_LABEL, ctx.outcome, duration, first_byte)
+            return
+        lease.release()
+        self.metrics.request(lease.backend.id, ctx.outcome, duration, first_byte)
+
+    def _remaining(self, ctx: RequestContext) -> float:
+        return self.timeouts.request_s - (time.monotonic() - ctx.started_at)
 
     def _routable(self, backend_id: str) -> bool:
         b = self.registry.backends.get(backend_id)
@@ -255,46 +254,51 @@ class Proxy:
         return f"no healthy backend for {what} ({states or 'none configured'})"
 
 
-class UpstreamBroke(Exception):
-    """A non-streamed body broke after its headers were sent: the connection must be aborted."""
+def _answered(status: int) -> RequestOutcome:
+    if status < 400:
+        return RequestOutcome.OK
+    return RequestOutcome.HTTP_4XX if status < 500 else RequestOutcome.HTTP_5XX
 
 
-async def _watch_disconnect(receive: Receive, ex: Exchange) -> None:
+def _outcome_of(err: GatewayError) -> RequestOutcome:
+    if isinstance(err, UpstreamTimeout):
+        return RequestOutcome.UPSTREAM_TIMEOUT
+    if isinstance(err, UpstreamError):
+        return RequestOutcome.UPSTREAM_ERROR
+    if isinstance(err, NoHealthyBackend):
+        return RequestOutcome.NO_BACKEND
+    return RequestOutcome.REJECTED
+
+
+async def _watch_disconnect(receive: Receive, ctx: RequestContext) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not ex.finished:
-                ex.client_gone = True
-                ex.task.cancel()
+            if not ctx.finishing and ctx.task is not None:
+                ctx.client_gone = True
+                ctx.task.cancel()
             return
 
 
-def _upstream_headers(scope: Scope, api_key: str | None) -> list[tuple[bytes, bytes]]:
+def upstream_headers(client: Sequence[tuple[bytes, bytes]], api_key: str | None) -> list[tuple[bytes, bytes]]:
+    """What the engine gets: our framing, the client's accept and request id, and the right credentials."""
+    accept = request_id = auth = None
+    for name, value in client:
+        if name == b"accept":
+            accept = accept or value
+        elif name == b"x-request-id":
+            request_id = request_id or value
+        elif name == b"authorization":
+            auth = auth or value
     headers = [
         (b"content-type", b"application/json"),
-        (b"accept", header(scope, b"accept") or b"*/*"),
+        (b"accept", accept or b"*/*"),
         (b"accept-encoding", b"identity"),
     ]
-    auth = f"Bearer {api_key}".encode() if api_key else header(scope, b"authorization")
+    if api_key:
+        auth = f"Bearer {api_key}".encode()
     if auth:
         headers.append((b"authorization", auth))
-    request_id = header(scope, b"x-request-id")
     if request_id:
         headers.append((b"x-request-id", request_id))
     return headers
-
-
-def _body(data: bytes, more: bool) -> Message:
-    return {"type": "http.response.body", "body": data, "more_body": more}
-
-
-async def send_error(send: Send, err: GatewayError) -> None:
-    body = err.body()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send(_body(body, more=False))

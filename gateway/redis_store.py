@@ -142,11 +142,11 @@ class RedisAffinityStore:
         self.local.table.move(key, winner, self.local.clock())
         return winner
 
-    async def started(self, backend: str) -> None:
+    def started(self, backend: str) -> None:
         self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
         self._seq += 1
 
-    async def finished(self, backend: str) -> None:
+    def finished(self, backend: str) -> None:
         self._in_flight[backend] = self._in_flight.get(backend, 0) - 1
         self._seq += 1
 

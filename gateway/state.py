@@ -4,9 +4,11 @@
 shares them between workers and replicas behind the same port. The routing decision itself stays pure: the
 store only supplies the snapshot (``view``) and applies what the policy decided (``commit``).
 
-Cost contract for shared stores: ``view`` and ``commit`` are at most one round trip each, and a routed request
-calls each at most once; ``started``/``finished`` must not do I/O (they change local counts, published with
-the store's next round trip or heartbeat). So a routed request costs at most two round trips.
+Cost contract for shared stores: ``view`` and ``commit`` are at most one round trip each; a routed request
+calls ``view`` once and ``commit`` at most once per attempt (a retry that moves the pin commits again).
+``started``/``finished`` are plain functions called by the registry's leases: they change local counts,
+published with the store's next round trip or heartbeat. So a routed request costs at most two round trips
+(three on the retry path). A view is a snapshot: later changes to the store never show through it.
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ class AffinityStore(Protocol):
         """Apply ``decision.pin``; return the backend to use (a CLAIM may lose to another replica)."""
         ...
 
-    async def started(self, backend: str) -> None:
-        """A request to ``backend`` began (no I/O: see the cost contract above)."""
+    def started(self, backend: str) -> None:
+        """A request to ``backend`` began (called by ``Registry.lease``; no I/O)."""
         ...
 
-    async def finished(self, backend: str) -> None:
-        """A request to ``backend`` ended (no I/O)."""
+    def finished(self, backend: str) -> None:
+        """A request to ``backend`` ended (called when the lease is released; no I/O)."""
         ...
 
     def status(self) -> dict[str, object]:
@@ -67,7 +69,7 @@ class MemoryAffinityStore:
 
     async def view(self, key: str | None) -> StoreView:
         pinned = self.table.get(key, self.clock()) if key is not None else None
-        return StoreView(pinned, self.table.counts())
+        return StoreView(pinned, dict(self.table.counts()))  # a copy: the table changes under later awaits
 
     async def commit(self, key: str, decision: Decision) -> str:
         assert decision.backend is not None
@@ -80,10 +82,10 @@ class MemoryAffinityStore:
             self.table.move(key, decision.backend, now)
         return decision.backend
 
-    async def started(self, backend: str) -> None:
+    def started(self, backend: str) -> None:
         return None
 
-    async def finished(self, backend: str) -> None:
+    def finished(self, backend: str) -> None:
         return None
 
     def status(self) -> dict[str, object]:

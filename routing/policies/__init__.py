@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from config.settings import PolicyName, RoutingConfig
+from routing.params import RoutingParams
 from routing.policies.affinity import AffinityPolicy
 from routing.policies.least_loaded import LeastLoadedPolicy
 from routing.policies.round_robin import RoundRobinPolicy
@@ -16,15 +16,22 @@ class Policy(Protocol):
     #: Whether the caller must look up the pinned backend before calling ``select``.
     uses_affinity: bool
 
-    def select(self, candidates: Candidates, request: RouteRequest) -> Decision: ...
+    def select(self, candidates: Candidates, request: RouteRequest, now: float) -> Decision:
+        """Choose for ``request`` among ``candidates`` at time ``now`` (monotonic seconds). No I/O."""
+        ...
 
 
-POLICIES: dict[PolicyName, Callable[[RoutingConfig], Policy]] = {
-    PolicyName.AFFINITY: AffinityPolicy,
-    PolicyName.LEAST_LOADED: lambda _cfg: LeastLoadedPolicy(),
-    PolicyName.ROUND_ROBIN: lambda _cfg: RoundRobinPolicy(),
+#: Policy name (the values of ``config.settings.PolicyName``) -> constructor.
+POLICIES: dict[str, Callable[[RoutingParams], Policy]] = {
+    "affinity": AffinityPolicy,
+    "least_loaded": lambda _params: LeastLoadedPolicy(),
+    "round_robin": lambda _params: RoundRobinPolicy(),
 }
 
 
-def make_policy(cfg: RoutingConfig) -> Policy:
-    return POLICIES[cfg.policy](cfg)
+def make_policy(params: RoutingParams) -> Policy:
+    try:
+        factory = POLICIES[params.policy]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {params.policy!r}; known: {sorted(POLICIES)}") from None
+    return factory(params)

@@ -5,7 +5,8 @@
 - pinned backend down/draining          -> least loaded, re-pin       (repin_unhealthy)
 - pinned backend no longer configured   -> least loaded, re-pin       (repin_removed)
 - not pinned                            -> least loaded, claim        (new_least_loaded)
-- retry after a failure                 -> least loaded of the rest   (retry_next, pin untouched)
+- retry after a failure                 -> least loaded of the rest   (retry_next; the pin moves with it
+                                                                       when the pinned backend failed)
 
 Overloaded: in-flight per weight above ``spill_factor`` x the mean of the other routable backends, and at
 least ``spill_min_in_flight`` requests in flight (so one long request on an idle cluster never spills).
@@ -13,24 +14,29 @@ least ``spill_min_in_flight`` requests in flight (so one long request on an idle
 
 from __future__ import annotations
 
-from config.settings import RoutingConfig
 from routing.load import in_flight_per_weight, least_loaded, routable
+from routing.params import RoutingParams
 from routing.types import NO_BACKEND, Candidate, Candidates, Decision, PinAction, Reason, RouteRequest
 
 
 class AffinityPolicy:
     uses_affinity = True
 
-    def __init__(self, cfg: RoutingConfig) -> None:
+    def __init__(self, cfg: RoutingParams) -> None:
         self.spill_factor = cfg.spill_factor
         self.spill_min_in_flight = cfg.spill_min_in_flight
         self.spill_pin = PinAction.MOVE if cfg.repin_on_spill else PinAction.NONE
 
-    def select(self, candidates: Candidates, request: RouteRequest) -> Decision:
+    def select(self, candidates: Candidates, request: RouteRequest, now: float) -> Decision:
         ready = routable(candidates, request.exclude)
         if request.exclude:
             best = least_loaded(ready, request.key)
-            return Decision(best.id, Reason.RETRY_NEXT) if best else NO_BACKEND
+            if best is None:
+                return NO_BACKEND
+            # The retry re-reads the whole prompt on ``best``, so its cache now holds the conversation: move
+            # the pin there, or every later turn pays the pinned backend's failure first.
+            moved = request.pinned is not None and request.pinned in request.exclude
+            return Decision(best.id, Reason.RETRY_NEXT, PinAction.MOVE if moved else PinAction.NONE)
         pinned = _find(candidates, request.pinned)
         if pinned is not None and pinned.routable:
             others = [c for c in ready if c.id != pinned.id]

@@ -9,7 +9,7 @@ from routing.types import NO_BACKEND, Candidates, Decision, Reason, RouteRequest
 class LeastLoadedPolicy:
     uses_affinity = False
 
-    def select(self, candidates: Candidates, request: RouteRequest) -> Decision:
+    def select(self, candidates: Candidates, request: RouteRequest, now: float) -> Decision:
         best = least_loaded(routable(candidates, request.exclude), request.key)
         if best is None:
             return NO_BACKEND

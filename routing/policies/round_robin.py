@@ -12,7 +12,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = 0
 
-    def select(self, candidates: Candidates, request: RouteRequest) -> Decision:
+    def select(self, candidates: Candidates, request: RouteRequest, now: float) -> Decision:
         ready = sorted(routable(candidates, request.exclude), key=lambda c: c.id)
         if not ready:
             return NO_BACKEND

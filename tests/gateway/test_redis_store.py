@@ -103,9 +103,9 @@ async def test_in_flight_is_shared_and_a_silent_replicas_leases_expire(stores: S
     alive, silent, reader = stores(**lease), stores(**lease), stores(**lease)
     await alive.start()  # heartbeats
     for _ in range(3):
-        await alive.started("x")
-    await silent.started("y")  # never started: publishes once with the view below, then goes quiet
-    await silent.started("y")
+        alive.started("x")
+    silent.started("y")  # never started: publishes once with the view below, then goes quiet
+    silent.started("y")
     await silent.view(None)
     await alive.view(None)
     assert (await reader.view(None)).in_flight == {"x": 3, "y": 2}
@@ -118,7 +118,7 @@ async def test_in_flight_is_shared_and_a_silent_replicas_leases_expire(stores: S
     assert time.monotonic() - began > 0.5  # it expired by its lease, not at once
     await asyncio.sleep(1.2)  # longer than a lease: the heartbeating replica still counts
     assert (await reader.view(None)).in_flight == {"x": 3, "y": 0}
-    await alive.finished("x")
+    alive.finished("x")
     await alive.aclose()  # a clean exit withdraws the counts at once
     assert (await reader.view(None)).in_flight == {"x": 0, "y": 0}
 
@@ -135,8 +135,8 @@ async def test_a_routed_request_costs_at_most_two_round_trips(
         view = await store.view(f"k{i % 5}")
         pin = PinAction.TOUCH if view.pinned else CLAIM
         winner = await store.commit(f"k{i % 5}", Decision(view.pinned or "x", Reason.AFFINITY_HIT, pin))
-        await store.started(winner)
-        await store.finished(winner)
+        store.started(winner)
+        store.finished(winner)
         assert counting.sent - before == 2
 
 

@@ -18,6 +18,11 @@ FORBIDDEN = {
     "random",
     "gateway",
     "backends",
+    "tools",
+    "config",  # settings are pydantic: the gateway copies them into routing.params.RoutingParams
+    "pydantic",
+    "pydantic_settings",
+    "yaml",
 }
 
 

@@ -1,0 +1,99 @@
+"""One request as it travels from the endpoint to the relay, and the ``prepare`` seam that shapes it.
+
+The endpoint fills in what it parsed (body, model, conversation key, policy); the proxy's phases fill in the
+rest (decision, lease, upstream response, outcome). Shaping never mutates ``ctx.body``: each attempt starts a
+``Draft`` of the original, so a retry on an engine of another dialect starts from what the client sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backends.registry import Backend, Lease
+from gateway.outcomes import RequestOutcome
+from gateway.upstream import UpstreamResponse
+from routing.policies import Policy
+from routing.types import Reason
+
+
+@dataclass(slots=True)
+class RequestContext:
+    # -- from the endpoint ----------------------------------------------------------------------------
+    method: str
+    path: str  # upstream path, query included
+    raw: bytes  # the client's body, forwarded as is unless a prepare step changes it
+    body: dict[str, Any] | None  # parsed JSON object (None: no body, or not ours to read)
+    model: str | None
+    key: str  # conversation key (or the path, for routes without conversations)
+    policy: Policy
+    headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names)
+    started_at: float = field(default_factory=time.monotonic)
+    # -- filled in by the proxy's phases --------------------------------------------------------------
+    task: asyncio.Task[None] | None = None
+    reason: Reason = Reason.NO_BACKEND
+    pinned: str | None = None  # the conversation's pin after the routing phase
+    lease: Lease | None = None  # the attempt in progress holds one (released before a retry)
+    upstream: UpstreamResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
+    outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR
+    first_byte_at: float | None = None
+    client_gone: bool = False
+    finishing: bool = False  # the last body message is being sent: a disconnect now is normal
+
+    @property
+    def backend(self) -> Backend | None:
+        return None if self.lease is None else self.lease.backend
+
+
+class Draft:
+    """The outbound body of one attempt: the original until a step asks to change it.
+
+    ``edit()`` returns a shallow copy of the top-level object, made once per attempt: a step replaces the
+    values it changes (top-level fields, or a rebuilt ``messages`` list) and never mutates nested objects of
+    the original, which the next attempt reuses.
+    """
+
+    __slots__ = ("_copy", "_original")
+
+    def __init__(self, original: dict[str, Any] | None) -> None:
+        self._original = original
+        self._copy: dict[str, Any] | None = None
+
+    def read(self) -> dict[str, Any] | None:
+        return self._original if self._copy is None else self._copy
+
+    def edit(self) -> dict[str, Any]:
+        if self._original is None:
+            raise ValueError("this request has no JSON body to shape")
+        if self._copy is None:
+            self._copy = dict(self._original)
+        return self._copy
+
+    @property
+    def changed(self) -> bool:
+        return self._copy is not None
+
+    def payload(self, raw: bytes) -> bytes:
+        """What goes upstream: the client's own bytes if nothing changed, else the shaped body, serialised
+        deterministically (same body, same bytes: engines' prefix caches key on the prompt they render)."""
+        if self._copy is None:
+            return raw
+        return canonical_json(self._copy)
+
+
+def canonical_json(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class PrepareStep(Protocol):
+    """Shapes one attempt for the backend chosen (thinking budget per dialect, images to embeddings, ...).
+
+    Runs after routing, once per attempt, in the configured order. Raise a ``GatewayError`` to refuse the
+    request for this backend (it is answered as is; no retry).
+    """
+
+    async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None: ...

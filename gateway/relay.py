@@ -1,0 +1,109 @@
+"""The relay phase's parts: which response headers reach the client, and the watch on engine silence.
+
+The body itself is pumped by ``Proxy._relay``; what is here has no state beyond one response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from enum import StrEnum
+
+from starlette.types import Message, Send
+
+from gateway.errors import GatewayError
+from gateway.upstream import UpstreamResponse
+from routing.types import Reason
+
+SSE = b"text/event-stream"
+DONE = b"data: [DONE]\n\n"
+
+#: Engine response headers a client relies on (rate limits, back-off, redirects, correlation).
+_RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
+_RELAYED_PREFIX = b"x-ratelimit-"
+
+
+def response_head(upstream: UpstreamResponse, backend: str, reason: Reason) -> tuple[bool, Message]:
+    """(is it an SSE stream, the ``http.response.start`` message for the client)."""
+    content_type = upstream.header(b"content-type") or b"application/json"
+    sse = content_type.startswith(SSE)
+    headers = [(b"content-type", content_type)]
+    if sse:
+        headers.append((b"cache-control", b"no-cache"))
+    for name, value in upstream.headers:
+        if name in _RELAYED or name.startswith(_RELAYED_PREFIX) or (name == b"content-length" and not sse):
+            headers.append((name, value))
+    headers.append((b"x-warmroute-backend", backend.encode()))
+    headers.append((b"x-warmroute-route", reason.value.encode()))
+    return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
+
+
+class Expiry(StrEnum):
+    SILENCE = "silence"  # the engine sent nothing for read_s
+    DEADLINE = "deadline"  # the whole request ran past request_s
+
+
+class SilenceWatch:
+    """Cancels ``task`` when the engine is silent for ``read_s`` or the loop time passes ``deadline``.
+
+    Time spent waiting for the client to take a chunk (``sending``) is not engine silence: a slow reader
+    must not be blamed on a healthy engine. Lazy on purpose: a chunk costs two attribute stores, and the
+    timer re-arms itself at most once per ``read_s``, not once per chunk.
+    """
+
+    __slots__ = ("_handle", "_loop", "_task", "deadline", "fired", "last", "read_s", "sending")
+
+    def __init__(self, task: asyncio.Task[None], read_s: float, deadline: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = task
+        self.read_s = read_s
+        self.deadline = deadline
+        self.last = self._loop.time()
+        self.sending = False
+        self.fired: Expiry | None = None
+        self._handle = self._loop.call_at(min(deadline, self.last + read_s), self._check)
+
+    def chunk_sent(self) -> None:
+        self.sending = False
+        self.last = self._loop.time()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if now >= self.deadline:
+            self._fire(Expiry.DEADLINE)
+            return
+        due = now + self.read_s if self.sending else self.last + self.read_s
+        if due <= now:
+            self._fire(Expiry.SILENCE)
+            return
+        self._handle = self._loop.call_at(min(due, self.deadline), self._check)
+
+    def _fire(self, why: Expiry) -> None:
+        self.fired = why
+        self._task.cancel()
+
+
+def body(data: bytes, more: bool) -> Message:
+    return {"type": "http.response.body", "body": data, "more_body": more}
+
+
+def sse_error(err: GatewayError) -> Message:
+    """The end of a stream that broke after bytes were sent: an error event, then [DONE]."""
+    return body(b"event: error\ndata: " + err.body() + b"\n\n" + DONE, more=False)
+
+
+async def send_error(send: Send, err: GatewayError) -> None:
+    payload = err.body()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send(body(payload, more=False))
