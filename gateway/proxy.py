@@ -144,10 +144,12 @@ class Proxy:
     async def _attempt(self, ctx: RequestContext, backend_id: str) -> Attempt:
         backend = self.registry.backends[backend_id]
         ctx.lease = self.registry.lease(backend_id)
-        draft = Draft(ctx.body)
-        for step in self.steps:
-            await step.prepare(ctx, backend, draft)
-        payload = draft.payload(ctx.raw)
+        payload = ctx.raw
+        if ctx.body is not None:  # only bodies an endpoint owns are shaped; passthrough bodies go as they are
+            draft = Draft(ctx.body)
+            for step in self.steps:
+                await step.prepare(ctx, backend, draft)
+            payload = draft.payload(ctx.raw)
         headers = upstream_headers(ctx.headers, backend.cfg.api_key)
         budget = min(self.timeouts.first_byte_s, self._remaining(ctx))
         try:
@@ -235,11 +237,11 @@ class Proxy:
         duration = time.monotonic() - ctx.started_at
         first_byte = None if ctx.first_byte_at is None else ctx.first_byte_at - ctx.started_at
         lease = ctx.lease
-        if lease is None:
-            self.metrics.request(NO_BACKEND_LABEL, ctx.outcome, duration, first_byte)
-            return
-        lease.release()
-        self.metrics.request(lease.backend.id, ctx.outcome, duration, first_byte)
+        self.metrics.request(
+            NO_BACKEND_LABEL if lease is None else lease.backend.id, ctx.outcome, duration, first_byte
+        )
+        if lease is not None:
+            lease.release()  # last: once in-flight reads zero, the request is fully accounted for
 
     def _remaining(self, ctx: RequestContext) -> float:
         return self.timeouts.request_s - (time.monotonic() - ctx.started_at)

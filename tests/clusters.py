@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from gateway.app import Gateway
 
 from upstreams import FakeEngine
@@ -33,6 +35,21 @@ class Cluster:
             f"not idle: gateway in_flight={self.in_flight()}, "
             f"engines={ {n: e.active for n, e in self.engines.items()} }"
         )
+
+    def stop_engine(self, name: str) -> None:
+        """Close engine ``name``'s port and wait until connecting to it is refused."""
+        self.engine_servers[name].should_exit = True
+        url = self.gateway.registry.backends[name].cfg.url
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url + "/health", timeout=0.5)
+            except httpx.ConnectError:
+                return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        raise AssertionError(f"engine {name} still accepts connections")
 
 
 ClusterFactory = Callable[..., Cluster]

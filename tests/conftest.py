@@ -32,7 +32,9 @@ def cluster() -> Iterator[ClusterFactory]:
         servers: dict[str, Any] = {}
         for fake in fakes:
             urls[fake.name], servers[fake.name] = stack.enter_context(serve(fake.app()))
-        backends = [{"id": f.name, "url": urls[f.name], "models": list(f.models)} for f in fakes]
+        backends = [
+            {"id": f.name, "url": urls[f.name], "models": list(f.models), "api_key": f.api_key} for f in fakes
+        ]
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
         settings = load_settings(None, backends=backends, **overrides)
         app = create_app(settings)

@@ -52,11 +52,16 @@ class FakeEngine:
     chunks: int = 3
     chunk_delay_s: float = 0.0
     fail_next: int = 0  # answer 500 to the next N generation requests
+    answer_status: int | None = None  # answer every generation request with this error status instead
+    api_key: str | None = None  # configured as the backend's own api_key by the cluster fixture
     die_after: int | None = None  # break the connection after this many streamed chunks
     stall_s: float = 0.0  # wait this long before answering
     healthy: bool = True
     gate: threading.Event | None = None  # if set, the stream waits on it after the first chunk
+    extra_headers: dict[str, str] = field(default_factory=dict)  # added to every generation response
     requests: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)  # the exact body bytes of every request it received
+    paths: list[str] = field(default_factory=list)  # raw request target of every request (catch-all too)
     headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0
     cancelled: int = 0
@@ -70,8 +75,20 @@ class FakeEngine:
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._chat, methods=["POST"]),
                 Route("/v1/embeddings", self._embeddings, methods=["POST"]),
+                Route("/{rest:path}", self._echo, methods=["GET", "POST", "DELETE", "HEAD"]),
             ]
         )
+
+    async def _echo(self, request: Request) -> Response:
+        """Any other path: 200 with what arrived (raw target, method, body), so tests see what was sent."""
+        target = request.scope["raw_path"].decode("latin-1")
+        if request.scope["query_string"]:
+            target += "?" + request.scope["query_string"].decode("latin-1")
+        self.paths.append(target)
+        raw = await request.body()
+        self.raw.append(raw)
+        echo = {"target": target, "method": request.method, "body": raw.decode(), "served_by": self.name}
+        return JSONResponse(echo, headers=self.extra_headers)
 
     async def _health(self, _request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
@@ -87,19 +104,27 @@ class FakeEngine:
         )
 
     async def _chat(self, request: Request) -> Response:
-        body = await request.json()
+        raw = await request.body()
+        self.raw.append(raw)
+        self.paths.append(request.scope["raw_path"].decode("latin-1"))
+        body = json.loads(raw)
         self.requests.append(body)
         self.headers.append(dict(request.headers))
         if self.fail_next > 0:
             self.fail_next -= 1
             return JSONResponse({"error": {"message": "engine exploded", "type": "server_error"}}, 500)
+        if self.answer_status is not None:
+            error = {"error": {"message": f"engine says {self.answer_status}", "type": "engine_error"}}
+            return JSONResponse(error, self.answer_status, headers=self.extra_headers)
         if self.stall_s and await self._stall(request):
             self.cancelled += 1
             return Response(status_code=499)
         if body.get("stream"):
-            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(body), media_type="text/event-stream", headers=self.extra_headers
+            )
         self.completed += 1
-        return JSONResponse(self._completion(body))
+        return JSONResponse(self._completion(body), headers=self.extra_headers)
 
     async def _stall(self, request: Request) -> bool:
         """Sleep ``stall_s`` like a slow engine; True if the client (the gateway) hung up meanwhile."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
@@ -22,14 +21,6 @@ def test_non_streaming_chat_is_relayed_with_backend_header(cluster: ClusterFacto
     assert r.headers["x-warmroute-route"] == "new_least_loaded"
     assert c.engines["a"].requests == [CHAT]
     c.wait_idle()
-
-
-def test_body_is_forwarded_byte_for_byte_including_unknown_fields(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
-    raw = b'{"model":"m","messages":[{"role":"user","content":"x"}],"vendor_knob":{"z":1,"a":[2]}, "top_k":7}'
-    r = httpx.post(c.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
-    assert r.status_code == 200
-    assert c.engines["a"].requests[0] == json.loads(raw)
 
 
 def test_streaming_chunks_arrive_before_upstream_finishes(cluster: ClusterFactory) -> None:
@@ -77,12 +68,6 @@ def test_other_v1_routes_go_to_a_backend_serving_the_model(cluster: ClusterFacto
     assert r.headers["x-warmroute-backend"] == "b"
 
 
-def test_authorization_forwarded_unless_backend_has_its_own_key(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
-    httpx.post(c.url + "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer client-key"})
-    assert c.engines["a"].headers[-1]["authorization"] == "Bearer client-key"
-
-
 def test_healthz_and_readyz(cluster: ClusterFactory) -> None:
     c = cluster(["a"])
     assert httpx.get(c.url + "/healthz").json() == {"status": "ok"}
@@ -90,11 +75,3 @@ def test_healthz_and_readyz(cluster: ClusterFactory) -> None:
     assert ready.status_code == 200
     assert ready.json()["backends"]["a"]["state"] == "ready"
     assert ready.json()["shared_state"]["backend"] == "memory"
-
-
-def test_passthrough_keeps_percent_encoding_and_query(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
-    r = httpx.get(c.url + "/v1/files/a%20b?limit=2")
-    # The fake engine has no such route: its own 404 comes back, not a gateway 500.
-    assert r.status_code == 404
-    assert r.headers["x-warmroute-backend"] == "a"

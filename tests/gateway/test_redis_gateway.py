@@ -185,6 +185,7 @@ def test_redis_dying_mid_traffic_is_invisible_to_clients_and_pins_come_back(
     }
     failures: list[str] = []
     moved: list[str] = []
+    answered: list[int] = []  # one entry per successful request; its length is read by the test thread
     stop = threading.Event()
 
     def traffic() -> None:
@@ -204,13 +205,21 @@ def test_redis_dying_mid_traffic_is_invisible_to_clients_and_pins_come_back(
                     failures.append(f"{resp.status_code} {resp.text}")
                 elif resp.headers["x-warmroute-backend"] != placed[conv]:
                     moved.append(conv)
+                else:
+                    answered.append(n)
+
+    def flows(more: int) -> None:
+        """Wait until the traffic thread has had ``more`` further requests answered."""
+        target = len(answered) + more
+        until(lambda: len(answered) >= target)
 
     worker = threading.Thread(target=traffic, daemon=True)
     worker.start()
     try:
-        time.sleep(0.2)  # let traffic flow before the outage
+        flows(5)  # traffic flows before the outage
         private_redis.kill()
         until(lambda: httpx.get(gw0 + "/readyz").json()["shared_state"]["degraded"] is True)
+        flows(5)  # and during it
         ready = httpx.get(gw0 + "/readyz")
         assert ready.status_code == 200  # degraded is a detail, not unreadiness
         assert "warmroute_shared_state_degraded 1.0" in httpx.get(gw0 + "/metrics").text
@@ -220,7 +229,7 @@ def test_redis_dying_mid_traffic_is_invisible_to_clients_and_pins_come_back(
         private_redis.start()  # same port, empty
         until(lambda: httpx.get(gw0 + "/readyz").json()["shared_state"]["degraded"] is False)
         until(lambda: httpx.get(gw1 + "/readyz").json()["shared_state"]["degraded"] is False)
-        time.sleep(0.2)  # traffic flows again through Redis
+        flows(5)  # and again through Redis
     finally:
         stop.set()
         worker.join(10)

@@ -1,0 +1,123 @@
+"""/metrics read back after each kind of exchange: exact counts of attempts, requests and decisions."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+from clusters import Cluster, ClusterFactory
+from prometheus_client.parser import text_string_to_metric_families
+
+from upstreams import FakeEngine
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+RR = {"routing": {"policy": "round_robin"}}  # the first request goes to "a" (sorted ids)
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(c: Cluster) -> Series:
+    text = httpx.get(c.url + "/metrics").text
+    out: Series = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def counts(c: Cluster, name: str) -> dict[tuple[str, ...], float]:
+    """Non-zero samples of one counter, keyed by label values in label-name order."""
+    return {
+        tuple(v for _, v in labels): value for (n, labels), value in scrape(c).items() if n == name and value
+    }
+
+
+def attempts(c: Cluster) -> dict[tuple[str, ...], float]:
+    return counts(c, "warmroute_upstream_attempts_total")
+
+
+def requests(c: Cluster) -> dict[tuple[str, ...], float]:
+    return counts(c, "warmroute_requests_total")
+
+
+def decisions(c: Cluster) -> dict[tuple[str, ...], float]:
+    return counts(c, "warmroute_routing_decisions_total")
+
+
+def test_ok(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])
+    assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    c.wait_idle()
+    assert attempts(c) == {("a", "ok"): 1}
+    assert requests(c) == {("a", "ok"): 1}
+    assert decisions(c) == {("new_least_loaded",): 1}
+    assert scrape(c)[("warmroute_request_duration_seconds_count", (("backend", "a"),))] == 1
+
+
+def test_5xx_retried_counts_two_attempts_and_one_request(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[FakeEngine("a", fail_next=1), FakeEngine("b")], **RR)
+    assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    c.wait_idle()
+    assert attempts(c) == {("a", "http_5xx"): 1, ("b", "ok"): 1}
+    assert requests(c) == {("b", "ok"): 1}
+    assert decisions(c) == {("round_robin",): 1, ("retry_next",): 1}
+
+
+def test_5xx_relayed_counts_once(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[FakeEngine("a", fail_next=1)])
+    assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).status_code == 500
+    c.wait_idle()
+    assert attempts(c) == {("a", "http_5xx"): 1}
+    assert requests(c) == {("a", "http_5xx"): 1}
+
+
+def test_connect_error_with_nobody_to_retry(cluster: ClusterFactory) -> None:
+    c = cluster(["a"], health={"interval_s": 60})
+    c.stop_engine("a")
+    r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
+    assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_error")
+    c.wait_idle()
+    assert attempts(c) == {("a", "connect_error"): 1}
+    assert requests(c) == {("a", "upstream_error"): 1}
+    # The connect error marked it down: the next request is refused without an attempt.
+    r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "no_healthy_backend")
+    assert attempts(c) == {("a", "connect_error"): 1}
+    assert requests(c) == {("a", "upstream_error"): 1, ("", "no_backend"): 1}
+
+
+def test_client_disconnect(cluster: ClusterFactory) -> None:
+    gate = threading.Event()
+    c = cluster(engines=[FakeEngine("a", gate=gate)])
+    with httpx.stream("POST", c.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line)
+    c.wait_idle()
+    gate.set()
+    assert attempts(c) == {("a", "ok"): 1}
+    assert requests(c) == {("a", "client_disconnect"): 1}
+
+
+def test_mid_stream_failure(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[FakeEngine("a", chunks=5, die_after=2)])
+    with httpx.stream("POST", c.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    c.wait_idle()
+    assert attempts(c) == {("a", "ok"): 1}
+    assert requests(c) == {("a", "mid_stream_error"): 1}
+
+
+def test_engine_4xx_is_an_answer_not_a_failure(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[FakeEngine("a", answer_status=400), FakeEngine("b")], **RR)
+    assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).status_code == 400
+    c.wait_idle()
+    assert attempts(c) == {("a", "ok"): 1}  # no retry: the engine judged the request
+    assert requests(c) == {("a", "http_4xx"): 1}
+
+
+def test_rejected_before_routing(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])
+    assert httpx.post(c.url + "/v1/chat/completions", content=b"{nope").status_code == 400
+    assert httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "model": "zz"}).status_code == 404
+    assert attempts(c) == {}
+    assert requests(c) == {("", "rejected"): 2}
+    assert c.engines["a"].requests == []
