@@ -16,8 +16,8 @@ from config.settings import ConfigError, load_settings
 #: Subcommands implemented elsewhere, imported only when used: name -> (module, help).
 _DELEGATES: dict[str, tuple[str, str]] = {
     "sim": ("backends.sim.cli", "run a simulated OpenAI-compatible engine (no GPU needed)"),
-    "demo": ("gateway.demo", "3 simulated engines + the gateway + a short multi-turn workload"),
-    "bench": ("gateway.bench", "replay a multi-turn agent workload and compare routing policies"),
+    "demo": ("tools.demo", "3 simulated engines + the gateway + a short multi-turn workload"),
+    "bench": ("tools.bench", "replay a multi-turn agent workload and compare routing policies"),
 }
 
 

@@ -1,6 +1,6 @@
 """Proxy overhead benchmark (not a test): a fast local upstream, direct vs through one gateway worker.
 
-    python -m gateway.bench_proxy [--seconds 10] [--concurrency 32]
+    python -m tools.bench_proxy [--seconds 10] [--concurrency 32]
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
 completion), the gateway (one uvicorn worker, affinity policy, in-memory state) and the load generator (wrk
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     "-m",
                     "uvicorn",
-                    "gateway.bench_proxy:upstream_app",
+                    "tools.bench_proxy:upstream_app",
                     "--port",
                     str(up_port),
                     "--no-access-log",

@@ -1,8 +1,8 @@
 """Upstream client benchmark (not a test): httpx.AsyncClient vs gateway.upstream.UpstreamPool.
 
-    python -m gateway.bench_upstream [--requests 20000] [--concurrency 32] [--rounds 2] [--loop asyncio]
+    python -m tools.bench_upstream [--requests 20000] [--concurrency 32] [--rounds 2] [--loop asyncio]
 
-The upstream is ``gateway.bench_proxy:upstream_app`` under uvicorn in its own process, answering a fixed
+The upstream is ``tools.bench_proxy:upstream_app`` under uvicorn in its own process, answering a fixed
 249-byte chat completion. This process (uvloop by default, like the gateway) drives N concurrent workers
 through each client in turn, interleaved, the same way the proxy does (POST, stream the body raw, close),
 and reports the client's CPU time per request (``time.process_time``: user+system of this process only, so
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import httpx
 import uvloop
 
-from gateway.bench_proxy import BODY, cpu_seconds, free_port, wait_http
 from gateway.upstream import UpstreamPool
+from tools.bench_proxy import BODY, cpu_seconds, free_port, wait_http
 
 PATH = "/v1/chat/completions"
 HEADERS = [(b"content-type", b"application/json"), (b"accept", b"*/*"), (b"x-request-id", b"bench")]
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the client's event loop")
     args = ap.parse_args(argv)
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "gateway.bench_proxy:upstream_app", "--port", str(port)]
+    command = [sys.executable, "-m", "uvicorn", "tools.bench_proxy:upstream_app", "--port", str(port)]
     command += ["--no-access-log", "--log-level", "warning"]
     upstream = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -1,6 +1,6 @@
 """Shared-state cost benchmark (not a test): Redis vs in-memory affinity store, per routed request.
 
-    python -m gateway.bench_redis [--requests 3000] [--seconds 5] [--redis-url redis://127.0.0.1:6379/0]
+    python -m tools.bench_redis [--requests 3000] [--seconds 5] [--redis-url redis://127.0.0.1:6379/0]
 
 Without ``--redis-url`` it starts a throwaway redis-server on a free 127.0.0.1 port (no persistence).
 
@@ -39,11 +39,11 @@ from redis.asyncio import Connection
 
 from backends.registry import Registry
 from config.settings import BackendConfig, RedisConfig, RoutingConfig
-from gateway.bench_proxy import free_port, wait_http
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from gateway.state import AffinityStore, MemoryAffinityStore
 from routing.policies import make_policy
 from routing.types import BackendState, PinAction, RouteRequest
+from tools.bench_proxy import free_port, wait_http
 
 BACKENDS = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")
 TURNS = 5
@@ -183,7 +183,7 @@ def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int
     upstream = [
         "-m",
         "uvicorn",
-        "gateway.bench_proxy:upstream_app",
+        "tools.bench_proxy:upstream_app",
         "--port",
         str(up),
         "--log-level",
