@@ -15,8 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +23,8 @@ import httpx
 import uvloop
 
 from gateway.upstream import UpstreamPool
-from tools.bench_proxy import BODY, cpu_seconds, free_port, wait_http
+from tools.bench_proxy import BODY, cpu_seconds, upstream_argv
+from tools.procs import child, free_port, wait_http
 
 PATH = "/v1/chat/completions"
 HEADERS = [(b"content-type", b"application/json"), (b"accept", b"*/*"), (b"x-request-id", b"bench")]
@@ -133,20 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the client's event loop")
     args = ap.parse_args(argv)
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "tools.bench_proxy:upstream_app", "--port", str(port)]
-    command += ["--no-access-log", "--log-level", "warning"]
-    upstream = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with child(upstream_argv(port)) as upstream:
         origin = f"http://127.0.0.1:{port}"
-        wait_http(origin + "/")
+        wait_http(origin + "/", process=upstream)
         print(
             f"{args.requests:,} requests x {args.rounds} rounds, {args.concurrency} concurrent, interleaved:"
         )
         run = uvloop.run if args.loop == "uvloop" else asyncio.run
         samples = run(bench(origin, upstream.pid, args))
-    finally:
-        upstream.terminate()
-        upstream.wait(10)
     print("\nmedians:")
     for name in CLIENTS:
         print(f"  {report([s for s in samples if s.client == name])}")
