@@ -41,7 +41,7 @@ bench: $(STAMP)
 	$(BIN)/warmroute bench --json bench-out/bench.json
 
 bench-proxy: $(STAMP)
-	$(BIN)/python -m gateway.bench_proxy
+	$(BIN)/python -m tools.bench_proxy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,8 @@
-"""``warmroute`` command line: serve | sim | demo | bench."""
+"""``warmroute`` command line: serve | sim | demo | bench.
+
+``demo`` and ``bench`` live in the ``tools`` package, which the product never imports: they are named here
+as strings and imported only when that subcommand runs (tests/test_layout.py holds both ends of that).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,11 @@ import uvicorn
 
 from config.settings import ConfigError, load_settings
 
-#: Subcommands implemented elsewhere, imported only when used: name -> (module, help).
+#: Subcommands implemented elsewhere, imported by name only when used: name -> (module, help).
 _DELEGATES: dict[str, tuple[str, str]] = {
     "sim": ("backends.sim.cli", "run a simulated OpenAI-compatible engine (no GPU needed)"),
-    "demo": ("gateway.demo", "3 simulated engines + the gateway + a short multi-turn workload"),
-    "bench": ("gateway.bench", "replay a multi-turn agent workload and compare routing policies"),
+    "demo": ("tools.demo", "3 simulated engines + the gateway + a short multi-turn workload"),
+    "bench": ("tools.bench", "replay a multi-turn agent workload and compare routing policies"),
 }
 
 

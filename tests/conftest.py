@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +13,11 @@ from clusters import Cluster, ClusterFactory
 
 from config.settings import load_settings
 from gateway.app import create_app
+from tools.redis_server import RedisServer, find_binary
 
-from redis_server import RedisServer, redis_binary
 from upstreams import FakeEngine, serve
+
+REQUIRE_REDIS_ENV = "WARMROUTE_REQUIRE_REDIS"
 
 
 @pytest.fixture
@@ -50,14 +53,23 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def redis_binary() -> str:
+    """The redis-server path, or skip (fail when $WARMROUTE_REQUIRE_REDIS=1) if it is not installed."""
+    found = find_binary()
+    if found is None:
+        message = (
+            "redis-server not found on PATH: install redis (apt-get install redis-server) to run these tests"
+        )
+        if os.environ.get(REQUIRE_REDIS_ENV) == "1":
+            pytest.fail(f"{message} ({REQUIRE_REDIS_ENV}=1)")
+        pytest.skip(message)
+    return found
+
+
 @contextlib.contextmanager
 def _redis() -> Iterator[RedisServer]:
-    server = RedisServer(redis_binary())
-    server.start()
-    try:
+    with RedisServer(redis_binary()) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="session")

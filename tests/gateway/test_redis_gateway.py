@@ -18,8 +18,8 @@ from gateway.app import Gateway, create_app
 from gateway.redis_keys import RedisKeys
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from routing.keys import chat_key
+from tools.redis_server import CountingConnection, RedisServer
 
-from redis_server import CountingConnection, RedisServer
 from upstreams import FakeEngine, serve
 
 SYS = {"role": "system", "content": "You are a coding agent."}

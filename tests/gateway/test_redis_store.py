@@ -12,8 +12,8 @@ import pytest
 from config.settings import RedisConfig, RoutingConfig
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from routing.types import Decision, PinAction, Reason
-
-from redis_server import CountingConnection, RedisServer
+from tools.procs import free_port
+from tools.redis_server import CountingConnection, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -141,8 +141,6 @@ async def test_a_routed_request_costs_at_most_two_round_trips(
 
 
 async def test_unreachable_redis_degrades_and_routes_locally(stores: StoreFactory) -> None:
-    from redis_server import free_port
-
     store = stores(url=f"redis://127.0.0.1:{free_port()}/0", reconnect_min_s=0.05)
     await store.start()
     assert store.status()["degraded"] is True

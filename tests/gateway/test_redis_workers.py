@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +18,9 @@ import httpx
 from config.settings import RedisConfig, RoutingConfig
 from gateway.redis_keys import RedisKeys
 from gateway.redis_store import RedisAffinityStore
+from tools.procs import child, free_port, ok, python, wait_http
+from tools.redis_server import RedisServer
 
-from redis_server import RedisServer, free_port
 from upstreams import FakeEngine, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,27 +34,12 @@ def until(check: Callable[[], bool], timeout: float = 10.0, what: str = "conditi
         time.sleep(0.05)
 
 
-def ready(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url + "/readyz", timeout=1).status_code == 200
-    return False
-
-
 @contextlib.contextmanager
 def warmroute_serve(config: Path, port: int, workers: int) -> Iterator[subprocess.Popen[bytes]]:
     """The real CLI in its own process group, so the test can SIGKILL the supervisor and its workers."""
-    args = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
-    proc = subprocess.Popen([*args, "--workers", str(workers)], cwd=ROOT, start_new_session=True)
-    try:
+    args = python("-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port))
+    with child([*args, "--workers", str(workers)], stdout=None, stderr=None, cwd=ROOT, group=True) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 def shared_in_flight(cfg: RedisConfig, backends: list[str]) -> int:
@@ -104,7 +89,7 @@ def test_workers_share_affinity_and_a_killed_gateways_leases_expire(
         keys = RedisKeys(redis_prefix)
         r = redis_server.client()
         proc = stack.enter_context(warmroute_serve(config, port, workers=2))
-        until(lambda: ready(gw), 30, "gateway ready")
+        wait_http(gw + "/readyz", ok, timeout_s=30, process=proc)
         until(lambda: r.zcard(keys.replicas) == 2, 10, "both workers registered")
 
         # 1. Turns of one conversation stick, whichever worker accepts the connection (a new one each time).

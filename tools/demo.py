@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.bench_client import StreamResult, chat_body, stream_chat
-from gateway.bench_workload import Conversation, WorkloadSpec, build
-from gateway.launch import Engine, Launcher, LaunchError, SimProfile, port_is_free, sigterm_as_interrupt
+from tools.client import StreamResult, chat_body, stream_chat
+from tools.launch import Engine, Launcher, LaunchError, SimProfile, sigterm_as_interrupt
+from tools.procs import port_is_free
+from tools.workload import Conversation, WorkloadSpec, build
 
 MODEL = "sim-model"
 DEFAULT_PORT = 8080

@@ -1,48 +1,38 @@
-"""A real redis-server for tests, on a free 127.0.0.1 port, without persistence (a restart loses everything).
+"""A throwaway redis-server on a free 127.0.0.1 port, without persistence (a restart loses everything).
 
-Missing binary: tests that need it skip with a message, unless ``WARMROUTE_REQUIRE_REDIS=1``, then they fail.
+One copy for the tests (``tests/conftest.py`` decides whether a missing binary skips or fails) and for
+``tools.bench_redis``. ``CountingConnection`` counts the network round trips a client makes.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
+from types import TracebackType
 from typing import Any
 
-import pytest
 import redis
 from redis.asyncio import Connection
 
-REQUIRE_ENV = "WARMROUTE_REQUIRE_REDIS"
+from tools.procs import LOCALHOST, free_port, spawn
+
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def redis_binary() -> str:
-    """The redis-server path, or skip (fail when $WARMROUTE_REQUIRE_REDIS=1) if it is not installed."""
-    found = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
-    )
-    if found is None:
-        message = (
-            "redis-server not found on PATH: install redis (apt-get install redis-server) to run these tests"
-        )
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{message} ({REQUIRE_ENV}=1)")
-        pytest.skip(message)
-    return found
+def find_binary() -> str | None:
+    """The redis-server path, or None if it is not installed."""
+    if found := shutil.which("redis-server"):
+        return found
+    return "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
 
 
 class RedisServer:
-    """``start()``/``kill()`` can be repeated; the port stays the same, so clients can reconnect."""
+    """``start()``/``kill()`` can be repeated; the port stays the same, so clients can reconnect.
+    As a context manager: started on entry, killed and its folder removed on exit."""
 
     def __init__(self, binary: str, port: int | None = None) -> None:
         self.binary = binary
@@ -50,27 +40,27 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="warmroute-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{LOCALHOST}:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=5)
+        return redis.Redis(host=LOCALHOST, port=self.port, decode_responses=True, socket_timeout=5)
 
-    def start(self, timeout: float = 10.0) -> None:
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        args += ["--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        no_persistence = ["--save", "", "--appendonly", "no", "--dir", self.dir]
+        args = [self.binary, "--port", str(self.port), "--bind", LOCALHOST, *no_persistence]
+        args += ["--daemonize", "no", "--loglevel", "warning"]
+        self.proc = spawn(args)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -86,7 +76,7 @@ class RedisServer:
         """SIGKILL: no goodbye to clients, nothing saved."""
         if self.proc is not None:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(STOP_TIMEOUT_S)
             self.proc = None
 
     def close(self) -> None:

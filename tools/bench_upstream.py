@@ -1,8 +1,8 @@
 """Upstream client benchmark (not a test): httpx.AsyncClient vs gateway.upstream.UpstreamPool.
 
-    python -m gateway.bench_upstream [--requests 20000] [--concurrency 32] [--rounds 2] [--loop asyncio]
+    python -m tools.bench_upstream [--requests 20000] [--concurrency 32] [--rounds 2] [--loop asyncio]
 
-The upstream is ``gateway.bench_proxy:upstream_app`` under uvicorn in its own process, answering a fixed
+The upstream is ``tools.bench_proxy:upstream_app`` under uvicorn in its own process, answering a fixed
 249-byte chat completion. This process (uvloop by default, like the gateway) drives N concurrent workers
 through each client in turn, interleaved, the same way the proxy does (POST, stream the body raw, close),
 and reports the client's CPU time per request (``time.process_time``: user+system of this process only, so
@@ -15,8 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,8 +22,9 @@ from dataclasses import dataclass
 import httpx
 import uvloop
 
-from gateway.bench_proxy import BODY, cpu_seconds, free_port, wait_http
 from gateway.upstream import UpstreamPool
+from tools.bench_proxy import BODY, cpu_seconds, upstream_argv
+from tools.procs import child, free_port, wait_http
 
 PATH = "/v1/chat/completions"
 HEADERS = [(b"content-type", b"application/json"), (b"accept", b"*/*"), (b"x-request-id", b"bench")]
@@ -133,20 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the client's event loop")
     args = ap.parse_args(argv)
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "gateway.bench_proxy:upstream_app", "--port", str(port)]
-    command += ["--no-access-log", "--log-level", "warning"]
-    upstream = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with child(upstream_argv(port)) as upstream:
         origin = f"http://127.0.0.1:{port}"
-        wait_http(origin + "/")
+        wait_http(origin + "/", process=upstream)
         print(
             f"{args.requests:,} requests x {args.rounds} rounds, {args.concurrency} concurrent, interleaved:"
         )
         run = uvloop.run if args.loop == "uvloop" else asyncio.run
         samples = run(bench(origin, upstream.pid, args))
-    finally:
-        upstream.terminate()
-        upstream.wait(10)
     print("\nmedians:")
     for name in CLIENTS:
         print(f"  {report([s for s in samples if s.client == name])}")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gateway.bench_client import StreamResult
+from tools.client import StreamResult
 
 BASELINE = "round_robin"
 ORACLE = "oracle"

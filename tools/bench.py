@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway import bench_report as report
-from gateway.bench_run import Outcome, Plan, run_all
-from gateway.bench_workload import WorkloadSpec, build, total_requests
-from gateway.launch import Engine, Launcher, LaunchError, SimProfile, sigterm_as_interrupt
+from tools import bench_report as report
+from tools.bench_run import Outcome, Plan, run_all
+from tools.launch import Engine, Launcher, LaunchError, SimProfile, sigterm_as_interrupt
+from tools.workload import WorkloadSpec, build, total_requests
 
 GATEWAY_POLICIES = ("affinity", "least_loaded", "round_robin")
 ALL_POLICIES = (*GATEWAY_POLICIES, report.ORACLE)

@@ -10,16 +10,12 @@ of its log.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +25,11 @@ from typing import Any
 import httpx
 
 from backends.sim import config as sim_defaults
+from tools import procs
+from tools.procs import LOCALHOST, free_port
 
-LOCALHOST = "127.0.0.1"
 START_TIMEOUT_S = 45.0  # generous: several Python processes import at once on a busy 2-core machine
 STOP_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -88,27 +84,6 @@ class Child:
         return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
-        return int(s.getsockname()[1])
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((LOCALHOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _child_env() -> dict[str, str]:
     # WARMROUTE_* variables would override the generated config file (the environment wins): drop them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMROUTE_")}
@@ -138,11 +113,11 @@ class Launcher:
         started = []
         for index in range(1, count + 1):
             name, port = f"engine-{index}", free_port()
-            argv = ["-m", "backends.sim", "--port", str(port), "--name", name, "--model", model]
+            argv = procs.python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", model)
             argv += [*profile.argv(), "--log-level", "warning"]
             started.append(self._spawn(name, port, argv))
         for child in started:
-            self._wait(child, "/health", lambda r: r.status_code == 200)
+            self._wait(child, "/health", procs.ok)
         return [Engine(c.name, c.url) for c in started]
 
     def start_gateway(
@@ -171,41 +146,31 @@ class Launcher:
         }
         path = self.workdir / f"{name}.yaml"
         path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-        child = self._spawn(name, port, ["-m", "gateway.cli", "serve", "--config", str(path)])
+        child = self._spawn(name, port, procs.python("-m", "gateway.cli", "serve", "--config", str(path)))
         self._wait(child, "/readyz", _all_backends_ready)
         return child
 
     def _spawn(self, name: str, port: int, argv: list[str]) -> Child:
         log_path = self.workdir / f"{name}.log"
         with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, *argv],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_child_env(),
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            process = procs.spawn(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), group=True, die_with_parent=True
             )
         child = Child(name, f"http://{LOCALHOST}:{port}", process, log_path)
         self.children.append(child)
         return child
 
     def _wait(self, child: Child, path: str, ready: Callable[[httpx.Response], bool]) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if child.process.poll() is not None:
-                    raise LaunchError(
-                        f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if ready(client.get(child.url + path)):
-                        return
-                time.sleep(0.1)
-        raise LaunchError(
-            f"{child.name} not ready on {child.url} after {START_TIMEOUT_S:.0f}s:\n{child.log_tail()}"
-        )
+        try:
+            procs.wait_http(child.url + path, ready, timeout_s=START_TIMEOUT_S, process=child.process)
+        except procs.NotReady as exc:
+            if exc.returncode is not None:
+                raise LaunchError(
+                    f"{child.name} exited with code {exc.returncode}:\n{child.log_tail()}"
+                ) from None
+            raise LaunchError(
+                f"{child.name} not ready on {child.url} after {START_TIMEOUT_S:.0f}s:\n{child.log_tail()}"
+            ) from None
 
     # -- watching and stopping -------------------------------------------------------------------------
 
@@ -214,14 +179,7 @@ class Launcher:
 
     def stop(self, child: Child) -> None:
         """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``."""
-        process = child.process
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        procs.stop(child.process, STOP_TIMEOUT_S)
         if child in self.children:
             self.children.remove(child)
 

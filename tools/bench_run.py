@@ -1,6 +1,6 @@
 """Running one policy against the engines: the closed-loop client, progress lines, engine readings.
 
-Used by ``gateway.bench`` (the command line); one ``run_policy`` call is one policy in one round.
+Used by ``tools.bench`` (the command line); one ``run_policy`` call is one policy in one round.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from gateway import bench_report as report
-from gateway.bench_client import chat_body, stream_chat
-from gateway.bench_engines import LoadSampler, imbalance, read_cache_counters, reset_prefix_caches
-from gateway.bench_workload import Conversation, WorkloadSpec, build, total_requests
-from gateway.launch import Engine, Launcher
+from tools import bench_report as report
+from tools.bench_engines import LoadSampler, imbalance, read_cache_counters, reset_prefix_caches
+from tools.client import chat_body, stream_chat
+from tools.launch import Engine, Launcher
+from tools.workload import Conversation, WorkloadSpec, build, total_requests
 
 STAGGER_S = 0.02  # streams start this far apart, so the first turns do not arrive as one burst
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from backends.engine_metrics import CACHE_COUNTERS, PREFIX_HITS, PREFIX_QUERIES, QUEUE_GAUGES, scrape
-from gateway.launch import Engine
+from tools.launch import Engine
 
 SAMPLE_INTERVAL_S = 0.1
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench_engines import CacheCounters, imbalance
-from gateway.bench_report import percentile
-from gateway.bench_workload import WorkloadSpec, build, total_requests
+from tools.bench_engines import CacheCounters, imbalance
+from tools.bench_report import percentile
+from tools.workload import WorkloadSpec, build, total_requests
 
 
 def warmroute() -> list[str]:

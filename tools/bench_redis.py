@@ -1,6 +1,6 @@
 """Shared-state cost benchmark (not a test): Redis vs in-memory affinity store, per routed request.
 
-    python -m gateway.bench_redis [--requests 3000] [--seconds 5] [--redis-url redis://127.0.0.1:6379/0]
+    python -m tools.bench_redis [--requests 3000] [--seconds 5] [--redis-url redis://127.0.0.1:6379/0]
 
 Without ``--redis-url`` it starts a throwaway redis-server on a free 127.0.0.1 port (no persistence).
 
@@ -21,10 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,29 +31,21 @@ from typing import Any
 
 import httpx
 import redis
-from redis.asyncio import Connection
 
 from backends.registry import Registry
 from config.settings import BackendConfig, RedisConfig, RoutingConfig
 from gateway.app import routing_params
-from gateway.bench_proxy import free_port, wait_http
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from gateway.state import AffinityStore, MemoryAffinityStore
 from routing.policies import make_policy
 from routing.types import BackendState, PinAction, RouteRequest
+from tools.bench_proxy import upstream_argv
+from tools.bench_report import percentile
+from tools.procs import child, free_port, python, wait_http
+from tools.redis_server import CountingConnection, RedisServer, find_binary
 
 BACKENDS = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")
 TURNS = 5
-
-
-class _CountingConnection(Connection):
-    """One ``send_packed_command`` per round trip (a command, a pipeline or a script call)."""
-
-    sent = 0
-
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        _CountingConnection.sent += 1
-        await super().send_packed_command(command, check_health)
 
 
 @dataclass
@@ -77,8 +65,10 @@ def _stats(samples: list[float], wall: float) -> tuple[float, float, float]:
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:
-    samples.sort()
-    return statistics.median(samples) * 1e6, samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e6
+    """p50 and p99 in microseconds."""
+    p50, p99 = percentile(samples, 50), percentile(samples, 99)
+    assert p50 is not None and p99 is not None, "no samples"
+    return p50 * 1e6, p99 * 1e6
 
 
 async def _route_one(store: AffinityStore, registry: Registry, policy: Any, key: str) -> float:
@@ -118,6 +108,7 @@ async def _drive(store: AffinityStore, requests: int, concurrency: int, tag: str
 async def bench_stores(url: str, requests: int) -> list[StoreRun]:
     runs: list[StoreRun] = []
     admin = redis.Redis.from_url(url, decode_responses=True)
+    counting = CountingConnection.fresh()
     for concurrency in (1, 32):
         memory = MemoryAffinityStore(RoutingConfig())
         await _drive(memory, 500, concurrency, "warm")
@@ -128,15 +119,15 @@ async def bench_stores(url: str, requests: int) -> list[StoreRun]:
         prefix = f"bench-{os.getpid()}-{concurrency}:"
         cfg = RedisConfig(url=url, prefix=prefix, timeout_s=2.0, heartbeat_s=30, lease_ttl_s=60)
         store = RedisAffinityStore(
-            cfg, RoutingConfig(), BACKENDS, pool=redis_pool(cfg, connection_class=_CountingConnection)
+            cfg, RoutingConfig(), BACKENDS, pool=redis_pool(cfg, connection_class=counting)
         )
         await store.start()
         await _drive(store, 500, concurrency, "warm")
-        sent, calls = _CountingConnection.sent, _command_calls(admin)
+        sent, calls = counting.sent, _command_calls(admin)
         t = time.perf_counter()
         lat = await _drive(store, requests, concurrency, "r")
         wall = time.perf_counter() - t
-        trips = (_CountingConnection.sent - sent) / requests
+        trips = (counting.sent - sent) / requests
         commands = (_command_calls(admin) - calls - 1) / requests  # minus our own INFO
         runs.append(StoreRun("redis", concurrency, *_stats(lat, wall), trips, commands))
         assert not store.status()["degraded"], store.status()
@@ -151,16 +142,6 @@ def _command_calls(admin: redis.Redis) -> int:
 
 
 # -- end to end -----------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def _sequential(url: str, seconds: float) -> tuple[int, float, float]:
@@ -181,17 +162,8 @@ def _sequential(url: str, seconds: float) -> tuple[int, float, float]:
 def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int, float, float]]:
     up = free_port()
     out: dict[str, tuple[int, float, float]] = {}
-    upstream = [
-        "-m",
-        "uvicorn",
-        "gateway.bench_proxy:upstream_app",
-        "--port",
-        str(up),
-        "--log-level",
-        "warning",
-    ]
-    with _process([*upstream, "--no-access-log"]):
-        wait_http(f"http://127.0.0.1:{up}/")
+    with child(upstream_argv(up), stderr=None) as upstream:
+        wait_http(f"http://127.0.0.1:{up}/", process=upstream)
         for name, redis_section in (
             ("memory", {}),
             ("redis", {"url": url, "prefix": f"bench-e2e-{os.getpid()}:"}),
@@ -208,9 +180,10 @@ def bench_end_to_end(url: str, seconds: float, tmp: Path) -> dict[str, tuple[int
                     }
                 )
             )
-            with _process(["-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]):
+            serve = python("-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port))
+            with child(serve, stderr=None) as gateway:
                 base = f"http://127.0.0.1:{port}"
-                wait_http(base + "/readyz")
+                wait_http(base + "/readyz", process=gateway)
                 _sequential(base + "/v1/chat/completions", 1.0)  # warm up
                 out[name] = _sequential(base + "/v1/chat/completions", seconds)
                 state = httpx.get(base + "/readyz").json()["shared_state"]
@@ -223,28 +196,11 @@ def _redis(url: str | None) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    binary = shutil.which("redis-server")
+    binary = find_binary()
     if binary is None:
         raise SystemExit("redis-server not found: install it or pass --redis-url")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        proc = subprocess.Popen([*args, "--dir", tmp], stdout=subprocess.DEVNULL)
-        try:
-            url = f"redis://127.0.0.1:{port}/0"
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    redis.Redis.from_url(url).ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with RedisServer(binary) as server:
+        yield server.url
 
 
 def main(argv: list[str] | None = None) -> int:

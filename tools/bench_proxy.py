@@ -1,6 +1,6 @@
 """Proxy overhead benchmark (not a test): a fast local upstream, direct vs through one gateway worker.
 
-    python -m gateway.bench_proxy [--seconds 10] [--concurrency 32]
+    python -m tools.bench_proxy [--seconds 10] [--concurrency 32]
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
 completion), the gateway (one uvicorn worker, affinity policy, in-memory state) and the load generator (wrk
@@ -15,14 +15,13 @@ On a 2-core machine the three processes share the cores, so throughput is a lowe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tools.bench_report import percentile
+from tools.procs import child, free_port, python, wait_http
 
 BODY = {
     "model": "bench",
@@ -80,22 +82,10 @@ class Run:
         return self.requests / self.seconds
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+def upstream_argv(port: int) -> list[str]:
+    """``upstream_app`` under uvicorn on 127.0.0.1:``port``, quiet (the other benchmarks use it too)."""
+    app = "tools.bench_proxy:upstream_app"
+    return python("-m", "uvicorn", app, "--port", str(port), "--no-access-log", "--log-level", "warning")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -147,8 +137,9 @@ def python_sequential(url: str, seconds: float) -> Run:
             client.post(url, json=BODY).raise_for_status()
             lat.append((time.perf_counter() - t) * 1e3)
         took = time.monotonic() - start
-    lat.sort()
-    return Run(len(lat), took, statistics.median(lat), lat[int(len(lat) * 0.99)])
+    p50, p99 = percentile(lat, 50), percentile(lat, 99)
+    assert p50 is not None and p99 is not None, "no request finished"
+    return Run(len(lat), took, p50, p99)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,23 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
     up_port, gw_port = free_port(), free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    tmp = tempfile.mkdtemp(prefix="bench-proxy-")
-    try:
-        procs.append(
-            _spawn(
-                [
-                    "-m",
-                    "uvicorn",
-                    "gateway.bench_proxy:upstream_app",
-                    "--port",
-                    str(up_port),
-                    "--no-access-log",
-                    "--log-level",
-                    "warning",
-                ]
-            )
-        )
+    tmp_dir = tempfile.TemporaryDirectory(prefix="bench-proxy-", ignore_cleanup_errors=True)
+    with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateway before upstream
+        up = children.enter_context(child(upstream_argv(up_port)))
         config = Path(tmp, "gw.yaml")
         config.write_text(
             json.dumps(
@@ -187,21 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-        gw = _spawn(["-m", "gateway.cli", "serve", "--config", str(config)])
-        procs.append(gw)
+        gw = children.enter_context(child(python("-m", "gateway.cli", "serve", "--config", str(config))))
         direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
         through = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-        wait_http(f"http://127.0.0.1:{up_port}/")
-        wait_http(f"http://127.0.0.1:{gw_port}/readyz")
+        wait_http(f"http://127.0.0.1:{up_port}/", process=up)
+        wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw)
         body_file = Path(tmp, "body.json")
         body_file.write_text(json.dumps(BODY))
         _report(args, direct, through, gw.pid, str(body_file))
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
@@ -261,10 +231,6 @@ def _interleaved(
 
 def _med(runs: list[Run], attr: str) -> float:
     return statistics.median(float(getattr(r, attr)) for r in runs)
-
-
-def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
