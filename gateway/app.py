@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.health import HealthChecker
 from backends.registry import Registry
@@ -39,8 +41,11 @@ CONFIG_ENV = "WARMROUTE_CONFIG_FILE"
 class Gateway:
     """Everything one gateway process owns. Built once from settings; no module-level state."""
 
-    def __init__(self, settings: Settings, store: AffinityStore | None = None) -> None:
+    def __init__(
+        self, settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False
+    ) -> None:
         self.settings = settings
+        self.freeze_gc = freeze_gc
         self.store: AffinityStore = store or make_store(settings)
         self.registry = Registry(settings.backends, listener=self.store)  # leases drive the shared counts
         self.metrics = Metrics(self.registry)
@@ -70,12 +75,17 @@ class Gateway:
         await self.store.start()
         # 2. Probe every backend once so a healthy cluster takes traffic as soon as we listen.
         await self.health.check_all()
-        # 3. Keep probing in the background.
+        # 3. Everything built so far lives as long as the process: move it out of the collector's sight, so
+        #    a full collection walks only what requests allocate (57k objects cost a ~30 ms pause each time).
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
+        # 4. Keep probing in the background.
         checker = asyncio.create_task(self.health.run(), name="warmroute-health")
         try:
             yield
         finally:
-            # 4. Stop probing, then close upstream connections and the state store.
+            # 5. Stop probing, then close upstream connections and the state store.
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
@@ -101,8 +111,31 @@ def make_store(settings: Settings) -> AffinityStore:
     return RedisAffinityStore(settings.redis, settings.routing, backends)
 
 
-def create_app(settings: Settings, store: AffinityStore | None = None) -> Starlette:
-    gw = Gateway(settings, store)
+class HotPath:
+    """Sends the generation endpoints straight to their ASGI apps; everything else goes through Starlette.
+
+    Those endpoints answer every error themselves (OpenAI-shaped), so Starlette's router, its two
+    exception middlewares and their wrappers around every ``send`` are pure overhead on the hot path.
+    """
+
+    def __init__(self, app: Starlette, routes: dict[tuple[str, str], ASGIApp]) -> None:
+        self.app = app
+        self.state = app.state
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = self.routes.get((scope["method"], scope["path"]))
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False) -> HotPath:
+    """The ASGI app. ``freeze_gc``: for a serving process (``warmroute serve``), never for tests that build
+    many apps in one interpreter (frozen objects are never collected)."""
+    gw = Gateway(settings, store, freeze_gc=freeze_gc)
     max_body = settings.limits.max_body_bytes
 
     def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
@@ -160,12 +193,17 @@ def create_app(settings: Settings, store: AffinityStore | None = None) -> Starle
         exception_handlers={HTTPException: _http_error, GatewayError: _gateway_error, Exception: _unexpected},
     )
     app.state.gateway = gw
-    return app
+    hot: dict[tuple[str, str], ASGIApp] = {}
+    for path in ("/v1/chat/completions", "/v1/chat/completions/"):
+        hot["POST", path] = chat
+    for path in ("/v1/completions", "/v1/completions/"):
+        hot["POST", path] = completions
+    return HotPath(app, hot)
 
 
-def create_app_from_env() -> Starlette:
+def create_app_from_env() -> HotPath:
     """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
-    return create_app(load_settings(os.environ.get(CONFIG_ENV)))
+    return create_app(load_settings(os.environ.get(CONFIG_ENV)), freeze_gc=True)
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:

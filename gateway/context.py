@@ -41,6 +41,7 @@ class RequestContext:
     upstream: UpstreamResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
     outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR
     first_byte_at: float | None = None
+    responded: bool = False  # the response head went to the client
     client_gone: bool = False
     finishing: bool = False  # the last body message is being sent: a disconnect now is normal
 

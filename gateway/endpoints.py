@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 from urllib.parse import unquote
@@ -24,6 +25,8 @@ from gateway.inbound import (
 from gateway.proxy import Proxy
 from routing.keys import chat_key, completion_key, session_key
 from routing.policies import Policy
+
+log = logging.getLogger("warmroute.endpoints")
 
 OWNED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
 #: Methods forwarded on other /v1 routes (the OpenAI API uses these; TRACE, PROPFIND... are refused).
@@ -52,6 +55,10 @@ class Endpoint:
             await self.proxy.reject(send, err)
             return
         except ClientGone:
+            return
+        except Exception as exc:  # a defect of ours: one log line with the trace, an OpenAI-shaped 500
+            log.exception("unexpected error reading %s %s", scope["method"], scope["path"], exc_info=exc)
+            await self.proxy.reject(send, GatewayError("internal error in the gateway; see its log"))
             return
         await self.proxy.forward(receive, send, ctx)
 

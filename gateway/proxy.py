@@ -75,7 +75,7 @@ class Proxy:
                 upstream = await self._open(ctx)
             except GatewayError as err:
                 ctx.outcome = _outcome_of(err)
-                ctx.finishing = True
+                ctx.finishing = ctx.responded = True
                 await send_error(send, err)
                 return
             await self._relay(ctx, upstream, send)
@@ -84,6 +84,13 @@ class Proxy:
                 raise
             task.uncancel()
             ctx.outcome = RequestOutcome.CLIENT_DISCONNECT
+        except Exception as exc:  # a defect of ours: one log entry with the trace, and no hang
+            log.exception("unexpected error proxying %s %s", ctx.method, ctx.path, exc_info=exc)
+            if ctx.responded:
+                raise  # the head is gone: the server closes the connection
+            ctx.outcome = RequestOutcome.UPSTREAM_ERROR
+            ctx.finishing = True
+            await send_error(send, GatewayError("internal error in the gateway; see its log"))
         finally:
             watcher.cancel()
             await self._finish(ctx)
@@ -192,6 +199,7 @@ class Proxy:
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
         sse, head = response_head(upstream, backend, ctx.reason)
+        ctx.responded = True
         await send(head)
         loop = asyncio.get_running_loop()
         watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))

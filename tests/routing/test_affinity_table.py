@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import gc
+
 import pytest
 
-from routing.affinity import AffinityTable
+from routing.affinity import GENERATIONS, AffinityTable
+
+TTL = 8.0
+WIDTH = TTL / GENERATIONS  # pins expire between TTL and TTL + WIDTH after their last use
 
 
 def test_claim_is_first_writer_wins() -> None:
@@ -19,29 +24,48 @@ def test_move_repins_and_keeps_counts_right() -> None:
     t.move("k", "b", now=1)
     assert t.get("k", now=1) == "b"
     assert dict(t.counts()) == {"b": 1}
+    assert len(t) == 1
 
 
-def test_ttl_expires_and_touch_refreshes() -> None:
-    t = AffinityTable(ttl_s=10, max_entries=10)
+def test_a_pin_lives_at_least_ttl_and_at_most_ttl_plus_one_generation() -> None:
+    t = AffinityTable(ttl_s=TTL, max_entries=10)
     t.claim("old", "a", now=0)
     t.claim("kept", "b", now=0)
-    t.touch("kept", now=8)
-    assert t.get("old", now=10.5) is None
-    assert t.get("kept", now=10.5) == "b"
+    t.touch("kept", now=6.5)  # moves into the generation that opens at 6.5
+    assert t.get("old", now=TTL) == "a"  # never forgotten before ttl_s
+    assert t.get("old", now=TTL + WIDTH) is None  # and gone once its generation is past
+    assert t.get("kept", now=TTL + WIDTH) == "b"
     assert dict(t.counts()) == {"b": 1}
-    assert t.get("kept", now=18.1) is None
+    assert t.get("kept", now=6.5 + TTL) == "b"
+    assert t.get("kept", now=6.5 + TTL + WIDTH) is None
     assert len(t) == 0 and dict(t.counts()) == {}
 
 
-def test_lru_bound_evicts_least_recently_used() -> None:
+def test_entry_reports_when_the_pin_expires() -> None:
+    t = AffinityTable(ttl_s=TTL, max_entries=10)
+    t.claim("k", "a", now=3.0)
+    assert t.entry("k") == ("a", 3.0 + WIDTH + TTL)
+    assert t.entry("nope") is None
+    t.claim("j", "b", now=3.5)  # same generation as k
+    t.claim("l", "a", now=5.0)  # a newer one
+    assert t.items() == [
+        ("k", "a", 3.0 + WIDTH + TTL),
+        ("j", "b", 3.0 + WIDTH + TTL),
+        ("l", "a", 5.0 + WIDTH + TTL),
+    ]
+
+
+def test_bound_evicts_from_the_oldest_generation_first() -> None:
     t = AffinityTable(ttl_s=100, max_entries=3)
-    for i, k in enumerate("abc"):
-        t.claim(k, "x", now=i)
-    t.touch("a", now=3)  # a is now the most recent
-    t.claim("d", "y", now=4)  # evicts b
-    assert t.get("b", now=4) is None
-    assert [t.get(k, now=4) for k in "acd"] == ["x", "x", "y"]
+    width = 100 / GENERATIONS
+    t.claim("a", "x", now=0)
+    t.claim("b", "x", now=0)
+    t.claim("c", "x", now=width)  # a newer generation
+    t.touch("a", now=2 * width)  # a is now the most recent
+    t.claim("d", "y", now=2 * width)  # evicts b, the only pin left in the oldest generation
+    assert [t.get(k, now=2 * width) for k in "abcd"] == ["x", None, "x", "y"]
     assert dict(t.counts()) == {"x": 2, "y": 1}
+    assert len(t) == 3
 
 
 def test_memory_stays_bounded_under_a_flood_of_keys() -> None:
@@ -52,13 +76,24 @@ def test_memory_stays_bounded_under_a_flood_of_keys() -> None:
     assert sum(t.counts().values()) == 1000
 
 
+def test_the_table_is_invisible_to_the_garbage_collector() -> None:
+    # A full collection must not walk a million pins: generations hold only str keys and small ints.
+    t = AffinityTable(ttl_s=100, max_entries=10_000)
+    for i in range(5000):
+        t.claim(f"{i:032x}", f"b{i % 3}", now=i / 100)
+    gens = [g for g in gc.get_referents(*t._gens) if isinstance(g, dict)]
+    assert gens and not any(gc.is_tracked(g) for g in gens)
+
+
 def test_forget_backend() -> None:
     t = AffinityTable(ttl_s=10, max_entries=10)
     t.claim("1", "a", 0)
     t.claim("2", "b", 0)
-    t.claim("3", "a", 0)
+    t.claim("3", "a", 5)
     assert t.forget_backend("a") == 2
+    assert t.forget_backend("never-seen") == 0
     assert dict(t.counts()) == {"b": 1}
+    assert len(t) == 1
 
 
 def test_rejects_nonsense_bounds() -> None:
