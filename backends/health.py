@@ -4,11 +4,17 @@ Probe: GET ``health.path`` (default /health); a 404 there falls back to GET /v1/
 OpenAI-compatible server has. ``fail_threshold`` consecutive failures mark a backend DOWN; one success
 marks it READY again. Draining/cordoned backends keep their state (an operator set it).
 Passive signal: the proxy calls ``mark_failed`` on a connect error, which marks DOWN at once.
+
+Each backend is probed by its own task on its own interval, so a slow engine delays only its own probes.
+A probe, fallback included, has a total deadline of ``timeout_s``: httpx's timeout bounds each read, and an
+engine that answers one byte at a time would otherwise never time out. Whatever a probe raises counts as a
+failure of that backend; the loop goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -24,22 +30,57 @@ _OPERATOR_STATES = frozenset({BackendState.DRAINING, BackendState.CORDONED})
 
 
 class HealthChecker:
+    """Owns one probing task per watched backend: ``start()`` and ``aclose()`` in the app's lifespan."""
+
     def __init__(self, registry: Registry, client: httpx.AsyncClient, cfg: HealthConfig) -> None:
         self.registry = registry
         self.client = client
         self.cfg = cfg
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def check_all(self) -> None:
+        """Probe every backend once, concurrently; returns within about ``timeout_s`` (start-up)."""
         await asyncio.gather(*(self.check(b) for b in self.registry.backends.values()))
 
+    def start(self) -> None:
+        """Probe every registered backend in the background, each every ``interval_s``. Idempotent."""
+        for backend in self.registry.backends.values():
+            self.watch(backend)
+
+    def watch(self, backend: Backend) -> None:
+        """Start probing ``backend`` (for one added at runtime); nothing happens if it is already watched."""
+        task = self._tasks.get(backend.id)
+        if task is None or task.done():
+            name = f"warmroute-health-{backend.id}"
+            self._tasks[backend.id] = asyncio.create_task(self._watch(backend), name=name)
+
+    async def unwatch(self, backend_id: str) -> None:
+        """Stop probing a backend (for one removed at runtime); returns once its task has ended."""
+        task = self._tasks.pop(backend_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def aclose(self) -> None:
+        """Stop every probing task and wait for them to end."""
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def run(self) -> None:
-        """Forever: check every backend each ``interval_s``. Cancel to stop."""
-        while True:
-            await asyncio.sleep(self.cfg.interval_s)
-            await self.check_all()
+        """``start()``, then wait until cancelled, then ``aclose()``: for callers that own one task."""
+        self.start()
+        try:
+            await asyncio.get_running_loop().create_future()  # never resolves
+        finally:
+            await self.aclose()
 
     async def check(self, backend: Backend) -> None:
-        error = await self._probe(backend)
+        """Probe ``backend`` once and record the outcome. Raises nothing but ``CancelledError``."""
+        error = await self._bounded_probe(backend)
         backend.last_checked = time.time()
         if error is None:
             self._mark_ok(backend)
@@ -54,11 +95,29 @@ class HealthChecker:
                 log.warning("backend %s is down: %s", backend.id, error)
             backend.state = BackendState.DOWN
 
+    async def _watch(self, backend: Backend) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            await self.check(backend)
+
     def _mark_ok(self, backend: Backend) -> None:
         backend.consecutive_failures = 0
         if backend.state not in _OPERATOR_STATES and backend.state is not BackendState.READY:
             log.info("backend %s is ready", backend.id)
             backend.state = BackendState.READY
+
+    async def _bounded_probe(self, backend: Backend) -> str | None:
+        """``_probe`` within ``timeout_s`` in all; a timeout or any exception becomes the failure's text."""
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                return await self._probe(backend)
+        except TimeoutError:
+            return f"health probe got no complete answer within {self.cfg.timeout_s}s"
+        except Exception as exc:  # a bug or a surprise in one probe must not stop the probing
+            error = f"health probe raised {_describe(exc)}"
+            if error != backend.last_error:  # one line per new kind of failure, no traceback per round
+                log.warning("backend %s: %s", backend.id, error)
+            return error
 
     async def _probe(self, backend: Backend) -> str | None:
         timeout = httpx.Timeout(self.cfg.timeout_s)
@@ -68,7 +127,11 @@ class HealthChecker:
             if resp.status_code == 404 and self.cfg.path != "/v1/models":
                 resp = await self.client.get(backend.cfg.url + "/v1/models", timeout=timeout, headers=headers)
         except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return _describe(exc)
         if resp.status_code >= 400:
             return f"health probe answered HTTP {resp.status_code}"
         return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

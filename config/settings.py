@@ -84,6 +84,22 @@ class LimitsConfig(_Section):
     max_connections: int = Field(default=1024, ge=1, description="Upstream connection pool size")
 
 
+class UpstreamConfig(_Section):
+    """The proxy's own HTTP/1.1 client. The pool size per engine stays ``limits.max_connections``."""
+
+    idle_timeout_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Close a pooled connection idle this long; keep it below the engines' keep-alive "
+        "(uvicorn, so vLLM and SGLang: 5 s), or a request can meet a connection the engine is closing",
+    )
+    pool_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for a free connection when all of an engine's are busy"
+    )
+    max_response_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_response_headers: int = Field(default=200, ge=8)
+
+
 class HealthConfig(_Section):
     interval_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)
@@ -148,6 +164,7 @@ class Settings(BaseSettings):
     timeouts: TimeoutConfig = TimeoutConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
     server: ServerConfig = ServerConfig()
     redis: RedisConfig = RedisConfig()
 

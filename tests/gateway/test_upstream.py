@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import logging
 import os
 import shutil
 import socket
@@ -18,12 +20,23 @@ from typing import Any
 
 import pytest
 
-from gateway.upstream import (
-    READ_HIGH_WATER,
+from config.settings import UpstreamConfig
+from gateway.http1 import READ_HIGH_WATER
+from gateway.transport import (
+    IDEMPOTENT_METHODS,
     UpstreamConnectError,
-    UpstreamPool,
+    UpstreamPoolTimeout,
     UpstreamProtocolError,
     UpstreamReadError,
+    UpstreamResponseHeadTooLarge,
+    UpstreamStaleConnection,
+    UpstreamTransportError,
+)
+from gateway.upstream import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_RESPONSE_HEADER_BYTES,
+    DEFAULT_MAX_RESPONSE_HEADERS,
+    UpstreamPool,
     UpstreamResponse,
 )
 
@@ -152,8 +165,10 @@ async def read_request(state: RawServer, reader: asyncio.StreamReader) -> bytes 
 
 
 async def wait_for_disconnect(state: RawServer, reader: asyncio.StreamReader) -> None:
-    await reader.read()  # b"" at EOF; a reset raises ConnectionError, which also counts
-    state.disconnected.set()
+    try:
+        await reader.read()  # b"" at EOF; a reset raises ConnectionError, which also counts
+    finally:
+        state.disconnected.set()
 
 
 def responder(*responses: bytes, then_close: bool = False) -> Handler:
@@ -173,6 +188,7 @@ def responder(*responses: bytes, then_close: bool = False) -> Handler:
 
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+EARLY = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
 
 
 # -- the ordinary cases ----------------------------------------------------------------------------
@@ -277,8 +293,7 @@ async def test_no_body_responses(pool: UpstreamPool, recorder: Any, method: str,
 
 
 async def test_informational_response_is_skipped(pool: UpstreamPool) -> None:
-    early = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
-    async with raw_server(responder(early + OK)) as srv:
+    async with raw_server(responder(EARLY + OK)) as srv:
         response = await pool.request("GET", srv.origin, "/", [], b"")
         assert (response.status, response.headers) == (200, [(b"content-length", b"2")])
         assert await read_all(response) == b"ok"
@@ -364,13 +379,31 @@ async def test_connection_refused(pool: UpstreamPool) -> None:
     await tight.aclose()
 
 
-async def test_pooled_connection_closed_by_server_is_retried(pool: UpstreamPool) -> None:
+@pytest.mark.parametrize("method", sorted(IDEMPOTENT_METHODS - {"HEAD"}))
+async def test_idempotent_request_on_a_stale_connection_is_resent(pool: UpstreamPool, method: str) -> None:
     async with raw_server(responder(OK)) as srv:
         assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
         # The server read the second request on the kept-alive connection, then hung up without a byte.
-        assert await read_all(await pool.request("POST", srv.origin, "/", [], b"again")) == b"ok"
+        assert await read_all(await pool.request(method, srv.origin, "/", [], b"again")) == b"ok"
         assert srv.connections == 2
-        assert len(srv.requests) == 3
+        assert [r.split(b" ", 1)[0] for r in srv.requests] == [b"GET", method.encode(), method.encode()]
+
+
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+async def test_non_idempotent_request_on_a_stale_connection_is_not_resent(
+    pool: UpstreamPool, method: str
+) -> None:
+    async with raw_server(responder(OK)) as srv:
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        # As a server that read a long generation and then died looks: the request may have been processed.
+        with pytest.raises(UpstreamStaleConnection, match="reused keep-alive connection"):
+            await pool.request(method, srv.origin, "/v1/chat/completions", [], b"generate")
+        assert srv.connections == 1
+        assert len(srv.requests) == 2  # seen once, not run twice
+        assert srv.requests[1].startswith(method.encode() + b" /v1/chat/completions ")
+        # The permit came back: the next request opens a fresh connection.
+        assert await read_all(await pool.request(method, srv.origin, "/", [], b"")) == b"ok"
+        assert srv.connections == 2
 
 
 async def test_retry_happens_once(pool: UpstreamPool) -> None:
@@ -536,3 +569,183 @@ async def test_idle_timeout_drops_old_connections(anyio_backend: Any, recorder: 
     await read_all(await pool.request("GET", url, "/", [], b""))
     assert len(set(app.ports)) == 2
     await pool.aclose()
+
+
+async def test_idle_timeout_defaults_below_the_engines_keep_alive(anyio_backend: Any, recorder: Any) -> None:
+    url, app = recorder
+    assert DEFAULT_IDLE_TIMEOUT == UpstreamConfig().idle_timeout_s == 4.0  # uvicorn closes idle ones at 5 s
+    pool = UpstreamPool(connect_timeout=2.0)
+    await read_all(await pool.request("GET", url, "/", [], b""))
+    pool._origins[url].idle[-1].idle_since -= 3.9
+    await read_all(await pool.request("GET", url, "/", [], b""))
+    assert len(set(app.ports)) == 1
+    pool._origins[url].idle[-1].idle_since -= 4.1
+    await read_all(await pool.request("GET", url, "/", [], b""))
+    assert len(set(app.ports)) == 2
+    await pool.aclose()
+
+
+# -- the pool's own limits -------------------------------------------------------------------------
+
+
+async def test_pool_timeout_names_the_busy_origin(anyio_backend: Any) -> None:
+    async with raw_server(responder(OK, OK)) as srv:
+        pool = UpstreamPool(connect_timeout=2.0, max_connections_per_origin=1, pool_timeout=0.2)
+        held = await pool.request("GET", srv.origin, "/", [], b"")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamPoolTimeout) as caught:
+            await pool.request("GET", srv.origin, "/", [], b"")
+        waited = asyncio.get_running_loop().time() - started
+        assert str(caught.value) == f"all 1 connections to {srv.origin} busy for 0.2 s"
+        assert 0.19 <= waited < 2.0  # uvloop's timers have 1 ms resolution
+        assert len(srv.requests) == 1  # the timed-out request never reached the server
+        assert await read_all(held) == b"ok"
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"  # no permit lost
+        await pool.aclose()
+
+
+async def test_without_pool_timeout_a_queued_request_waits_for_a_permit(anyio_backend: Any) -> None:
+    async with raw_server(responder(OK, OK)) as srv:
+        pool = UpstreamPool(connect_timeout=2.0, max_connections_per_origin=1)
+        held = await pool.request("GET", srv.origin, "/", [], b"")
+        queued = asyncio.create_task(pool.request("GET", srv.origin, "/", [], b""))
+        await asyncio.sleep(0.3)  # proving a negative: past any pool timeout it might wrongly apply
+        assert not queued.done()
+        assert await read_all(held) == b"ok"
+        async with asyncio.timeout(5):
+            assert await read_all(await queued) == b"ok"
+        assert srv.connections == 1
+        await pool.aclose()
+
+
+async def test_dropped_response_gives_its_permit_back(
+    anyio_backend: Any, recorder: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, app = recorder
+    pool = UpstreamPool(connect_timeout=2.0, max_connections_per_origin=1)
+    for _ in range(2):
+        response = await pool.request("GET", url, "/", [], b"")
+        conn = response._conn
+        assert conn is not None
+        del response  # never aclose()d
+        gc.collect()
+        assert conn.closing  # aborted: a half-read connection is never pooled
+    async with asyncio.timeout(5):  # with the permit leaked this would wait forever (max_connections=1)
+        assert await read_all(await pool.request("GET", url, "/", [], b"")) == b"hello world"
+    assert pool.leaked_responses == 2  # counted each time, logged once
+    assert len(set(app.ports)) == 3  # neither dropped connection was pooled
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and url in r.getMessage()
+    ]
+    assert warnings == [f"a response from {url} was dropped without aclose(); its connection is aborted"]
+    await pool.aclose()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def endless_head(line: bytes) -> Handler:
+    """Answer with a status line, then ``line`` again and again until the client hangs up."""
+
+    async def handle(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(state, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        try:
+            while True:
+                writer.write(line)
+                await writer.drain()
+                await asyncio.sleep(0)  # drain() does not yield while the socket keeps up
+        except ConnectionError:
+            state.disconnected.set()
+
+    return handle
+
+
+async def huge_header(state: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_request(state, reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nx-huge: " + b"a" * (1 << 20) + b"\r\n\r\n")
+    await wait_for_disconnect(state, reader)
+
+
+@pytest.mark.parametrize(
+    ("handler", "says"),
+    [
+        (huge_header, f"over {DEFAULT_MAX_RESPONSE_HEADER_BYTES} bytes of head"),
+        (endless_head(b"x-trickle: v\r\n"), f"over {DEFAULT_MAX_RESPONSE_HEADERS} headers"),
+        (endless_head(b"x-pad: " + b"p" * 1000 + b"\r\n"), f"over {DEFAULT_MAX_RESPONSE_HEADER_BYTES} bytes"),
+        (endless_head(b"x-" + b"n" * 4096), f"over {DEFAULT_MAX_RESPONSE_HEADER_BYTES} bytes"),
+    ],
+    ids=["1-MiB-header", "endless-headers", "endless-big-headers", "endless-header-name"],
+)
+async def test_oversized_response_head_aborts_at_the_limit(
+    pool: UpstreamPool, handler: Handler, says: str
+) -> None:
+    before = rss_bytes()
+    async with raw_server(handler) as srv:
+        with pytest.raises(UpstreamResponseHeadTooLarge, match=says):
+            async with asyncio.timeout(5):
+                await pool.request("GET", srv.origin, "/", [], b"")
+        async with asyncio.timeout(5):
+            await srv.disconnected.wait()  # the client hung up: an endless head is not read forever
+        assert not pool._conns
+    assert rss_bytes() - before < 32 << 20
+    assert issubclass(UpstreamResponseHeadTooLarge, UpstreamProtocolError)
+
+
+def head_of(size: int, headers: int = 1) -> bytes:
+    """A response head of exactly ``size`` bytes with ``headers`` fields, then a 2-byte body."""
+    fields = [b"content-length: 2\r\n"] + [b"x-%d: v\r\n" % i for i in range(headers - 1)]
+    start, end = b"HTTP/1.1 200 OK\r\n", b"\r\n"
+    pad = size - len(start) - len(end) - sum(map(len, fields)) - len(b"x-pad: \r\n")
+    assert pad >= 0
+    return start + b"".join(fields) + b"x-pad: " + b"p" * pad + b"\r\n" + end
+
+
+@pytest.mark.parametrize(
+    ("reply", "fits"),
+    [
+        (head_of(1024) + b"ok", True),
+        (head_of(1025) + b"ok", False),
+        (EARLY + head_of(1024 - len(EARLY)) + b"ok", True),
+        (EARLY + head_of(1025 - len(EARLY)) + b"ok", False),
+        (head_of(200, headers=7) + b"ok", True),  # 7 + x-pad = 8 fields
+        (head_of(200, headers=8) + b"ok", False),
+    ],
+    ids=["1024-bytes", "1025-bytes", "1xx-counts-1024", "1xx-counts-1025", "8-fields", "9-fields"],
+)
+async def test_response_head_limits_are_exact(anyio_backend: Any, reply: bytes, fits: bool) -> None:
+    pool = UpstreamPool(connect_timeout=2.0, max_response_header_bytes=1024, max_response_headers=8)
+    async with raw_server(responder(reply, OK)) as srv:
+        if fits:
+            assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+            assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+            assert srv.connections == 1  # the body after the head was parsed in step
+        else:
+            with pytest.raises(UpstreamResponseHeadTooLarge):
+                await pool.request("GET", srv.origin, "/", [], b"")
+            assert not pool._conns
+    await pool.aclose()
+
+
+# -- the error hierarchy ---------------------------------------------------------------------------
+
+
+def test_every_error_says_whether_the_request_may_have_been_processed() -> None:
+    not_processed = {UpstreamConnectError, UpstreamPoolTimeout}
+    maybe_processed = {
+        UpstreamProtocolError,
+        UpstreamStaleConnection,
+        UpstreamResponseHeadTooLarge,
+        UpstreamReadError,
+    }
+    for cls in not_processed | maybe_processed:
+        assert issubclass(cls, UpstreamTransportError)
+        assert cls.may_have_been_processed is (cls in maybe_processed), cls
+    assert issubclass(UpstreamStaleConnection, UpstreamProtocolError)  # "failed before the head"
+    cfg = UpstreamConfig()
+    assert (cfg.max_response_header_bytes, cfg.max_response_headers) == (
+        DEFAULT_MAX_RESPONSE_HEADER_BYTES,
+        DEFAULT_MAX_RESPONSE_HEADERS,
+    )
