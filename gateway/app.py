@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import logging
@@ -63,6 +62,10 @@ class Gateway:
         self.transport = UpstreamPool(
             connect_timeout=settings.timeouts.connect_s,
             max_connections_per_origin=settings.limits.max_connections,
+            pool_timeout=settings.upstream.pool_timeout_s,
+            idle_timeout=settings.upstream.idle_timeout_s,
+            max_response_header_bytes=settings.upstream.max_response_header_bytes,
+            max_response_headers=settings.upstream.max_response_headers,
         )
         self.proxy = Proxy(
             settings.timeouts, self.registry, self.store, self.health, self.metrics, self.transport
@@ -80,15 +83,13 @@ class Gateway:
         if self.freeze_gc:
             gc.collect()
             gc.freeze()
-        # 4. Keep probing in the background.
-        checker = asyncio.create_task(self.health.run(), name="warmroute-health")
+        # 4. Keep probing in the background: one task per backend, so a slow one delays no other.
+        self.health.start()
         try:
             yield
         finally:
             # 5. Stop probing, then close upstream connections and the state store.
-            checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checker
+            await self.health.aclose()
             await self.transport.aclose()
             await self.client.aclose()
             await self.store.aclose()

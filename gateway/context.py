@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from backends.registry import Backend, Lease
 from gateway.outcomes import RequestOutcome
-from gateway.upstream import UpstreamResponse
+from gateway.transport import TransportResponse
 from routing.policies import Policy
 from routing.types import Reason
 
@@ -38,7 +38,7 @@ class RequestContext:
     reason: Reason = Reason.NO_BACKEND
     pinned: str | None = None  # the conversation's pin after the routing phase
     lease: Lease | None = None  # the attempt in progress holds one (released before a retry)
-    upstream: UpstreamResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
+    upstream: TransportResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
     outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR
     first_byte_at: float | None = None
     responded: bool = False  # the response head went to the client

@@ -66,6 +66,13 @@ class UpstreamError(GatewayError):
     code = "upstream_error"
 
 
+class UpstreamBusy(UpstreamError):
+    """Every connection to the engine stayed busy past the pool timeout: nothing was sent."""
+
+    status = 503
+    code = "upstream_busy"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

@@ -28,23 +28,31 @@ from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import TimeoutConfig
 from gateway.context import Draft, PrepareStep, RequestContext
-from gateway.errors import GatewayError, ModelNotFound, NoHealthyBackend, UpstreamError, UpstreamTimeout
+from gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoHealthyBackend,
+    UpstreamBusy,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from gateway.metrics import Metrics
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.relay import Expiry, SilenceWatch, body, response_head, send_error, sse_error
 from gateway.state import AffinityStore, StoreView
-from gateway.upstream import (
+from gateway.transport import (
+    TransportResponse,
     UpstreamConnectError,
-    UpstreamPool,
-    UpstreamProtocolError,
+    UpstreamPoolTimeout,
     UpstreamReadError,
-    UpstreamResponse,
+    UpstreamTransport,
+    UpstreamTransportError,
 )
 from routing.types import BackendState, Decision, PinAction, RouteRequest
 
 log = logging.getLogger("warmroute.proxy")
 
-Attempt = UpstreamResponse | UpstreamError
+Attempt = TransportResponse | UpstreamError
 
 
 class Proxy:
@@ -55,7 +63,7 @@ class Proxy:
         store: AffinityStore,
         health: HealthChecker,
         metrics: Metrics,
-        transport: UpstreamPool,
+        transport: UpstreamTransport,
         steps: Sequence[PrepareStep] = (),
     ) -> None:
         self.registry = registry
@@ -102,7 +110,7 @@ class Proxy:
 
     # -- route ----------------------------------------------------------------------------------------
 
-    async def _open(self, ctx: RequestContext) -> UpstreamResponse:
+    async def _open(self, ctx: RequestContext) -> TransportResponse:
         """Route, prepare, send; once more on the next choice if the first backend fails before answering."""
         if ctx.model is not None and not self.registry.serves(ctx.model):
             available = ", ".join(self.registry.models())
@@ -116,18 +124,18 @@ class Proxy:
             raise NoHealthyBackend(self._nothing_ready(ctx.model))
         backend = await self._commit(ctx, first)
         result = await self._attempt(ctx, backend)
-        if isinstance(result, UpstreamResponse) and result.status < 500:
+        if not isinstance(result, UpstreamError) and result.status < 500:
             return result
         retry = self._route(ctx, view, frozenset({backend}))
         if retry.backend is None:
-            if isinstance(result, UpstreamResponse):
-                return result  # nobody else to ask: the engine's own 5xx is the most useful answer
-            raise result
+            if isinstance(result, UpstreamError):
+                raise result
+            return result  # nobody else to ask: the engine's own 5xx is the most useful answer
         await self._abandon(ctx, result)
         result = await self._attempt(ctx, await self._commit(ctx, retry))
-        if isinstance(result, UpstreamResponse):
-            return result
-        raise result
+        if isinstance(result, UpstreamError):
+            raise result
+        return result
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
         candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
@@ -171,7 +179,12 @@ class Proxy:
         except UpstreamConnectError as exc:
             self.health.mark_failed(backend, f"connect failed: {exc}")
             return self._failed(backend_id, AttemptOutcome.CONNECT_ERROR, UpstreamError, "is unreachable")
-        except (UpstreamProtocolError, UpstreamReadError) as exc:
+        except UpstreamPoolTimeout as exc:
+            log.warning("backend %s: %s", backend_id, exc)
+            return self._failed(backend_id, AttemptOutcome.POOL_TIMEOUT, UpstreamBusy, "is saturated")
+        except UpstreamTransportError as exc:
+            # Sent, then broken before the head (a stale keep-alive connection of a POST included): the
+            # retry on the next backend is visible (retry_next), never a silent resend to the same one.
             log.warning("backend %s failed before answering: %s", backend_id, exc)
             return self._failed(backend_id, AttemptOutcome.BROKEN, UpstreamError, "failed before answering")
         ctx.upstream = response
@@ -187,7 +200,7 @@ class Proxy:
 
     async def _abandon(self, ctx: RequestContext, result: Attempt) -> None:
         """Drop a failed first attempt before the retry: close its response, give its lease back."""
-        if isinstance(result, UpstreamResponse):
+        if not isinstance(result, UpstreamError):
             await result.aclose()
         ctx.upstream = None
         if ctx.lease is not None:
@@ -195,7 +208,7 @@ class Proxy:
 
     # -- relay ----------------------------------------------------------------------------------------
 
-    async def _relay(self, ctx: RequestContext, upstream: UpstreamResponse, send: Send) -> None:
+    async def _relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
         sse, head = response_head(upstream, backend, ctx.reason)

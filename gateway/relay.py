@@ -11,7 +11,7 @@ from enum import StrEnum
 from starlette.types import Message, Send
 
 from gateway.errors import GatewayError
-from gateway.upstream import UpstreamResponse
+from gateway.transport import TransportResponse
 from routing.types import Reason
 
 SSE = b"text/event-stream"
@@ -22,7 +22,7 @@ _RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
 _RELAYED_PREFIX = b"x-ratelimit-"
 
 
-def response_head(upstream: UpstreamResponse, backend: str, reason: Reason) -> tuple[bool, Message]:
+def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> tuple[bool, Message]:
     """(is it an SSE stream, the ``http.response.start`` message for the client)."""
     content_type = upstream.header(b"content-type") or b"application/json"
     sse = content_type.startswith(SSE)

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from clusters import Cluster, ClusterFactory
 
 from config.settings import load_settings
 from gateway.app import create_app
 from tools.redis_server import RedisServer, find_binary
 
+from clusters import Cluster, ClusterFactory
 from upstreams import FakeEngine, serve
 
 REQUIRE_REDIS_ENV = "WARMROUTE_REQUIRE_REDIS"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transports import FakeRequest, FakeResponse, FakeTransport, Reply
 
 from gateway.transport import UpstreamConnectError, UpstreamReadError
+
+from transports import FakeRequest, FakeResponse, FakeTransport, Reply
 
 pytestmark = pytest.mark.anyio
 

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 
 import httpx
+
 from clusters import ClusterFactory
 
 SYS = {"role": "system", "content": "You are a coding agent."}

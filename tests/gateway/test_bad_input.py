@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+
 from clusters import Cluster, ClusterFactory
 
 OK_MESSAGES = [{"role": "user", "content": "hi"}]

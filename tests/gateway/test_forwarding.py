@@ -4,11 +4,11 @@ serialisation when a prepare step does; every attempt shaped from the original; 
 from __future__ import annotations
 
 import httpx
-from clusters import ClusterFactory
 
 from backends.registry import Backend
 from gateway.context import Draft, RequestContext, canonical_json
 
+from clusters import ClusterFactory
 from upstreams import FakeEngine
 
 RAW = (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import httpx
-from clusters import Cluster, ClusterFactory
 from prometheus_client.parser import text_string_to_metric_families
 
+from clusters import Cluster, ClusterFactory
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import httpx
-from clusters import ClusterFactory
 
+from clusters import ClusterFactory
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}

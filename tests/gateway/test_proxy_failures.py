@@ -10,8 +10,8 @@ import time
 import httpx
 import openai
 import pytest
-from clusters import ClusterFactory
 
+from clusters import ClusterFactory
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}

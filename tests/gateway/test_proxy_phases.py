@@ -1,0 +1,122 @@
+"""The proxy's phases on the in-memory transport: no sockets, exact outcomes, every response closed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from backends.health import HealthChecker
+from backends.registry import Registry
+from config.settings import load_settings
+from gateway.context import RequestContext
+from gateway.metrics import Metrics
+from gateway.proxy import Proxy
+from gateway.state import MemoryAffinityStore
+from gateway.transport import UpstreamPoolTimeout, UpstreamStaleConnection
+from routing.policies.round_robin import RoundRobinPolicy
+from routing.types import BackendState
+
+from transports import FakeTransport, Reply
+
+pytestmark = pytest.mark.anyio
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+OK = {"choices": [{"message": {"content": "fine"}}]}
+
+
+def make_proxy(fake: FakeTransport, **timeouts: float) -> Proxy:
+    settings = load_settings(
+        None,
+        backends=[{"id": n, "url": f"http://{n}", "models": ["m"]} for n in ("a", "b")],
+        timeouts=timeouts,
+    )
+    store = MemoryAffinityStore(settings.routing)
+    registry = Registry(settings.backends, listener=store)
+    for b in registry.backends.values():
+        b.state = BackendState.READY
+    health = HealthChecker(registry, httpx.AsyncClient(), settings.health)
+    return Proxy(settings.timeouts, registry, store, health, Metrics(registry), fake)
+
+
+def context() -> RequestContext:
+    raw = json.dumps(BODY).encode()
+    return RequestContext("POST", "/v1/chat/completions", raw, BODY, "m", "k", RoundRobinPolicy(), [])
+
+
+async def run(proxy: Proxy, ctx: RequestContext) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await proxy.forward(receive, send, ctx)
+    return sent
+
+
+def status_and_body(sent: list[dict[str, Any]]) -> tuple[int, bytes]:
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def test_a_stale_post_is_retried_visibly_on_the_next_backend_never_resent() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply(error=UpstreamStaleConnection("closed before any byte")))
+    fake.script("http://b", Reply.json(OK))
+    proxy = make_proxy(fake)
+    sent = await run(proxy, ctx := context())
+    assert status_and_body(sent) == (200, json.dumps(OK).encode())
+    assert [r.origin for r in fake.requests] == ["http://a", "http://b"]
+    assert (ctx.reason.value, ctx.outcome.value) == ("retry_next", "ok")
+    assert dict(sent[0]["headers"])[b"x-warmroute-route"] == b"retry_next"
+    assert fake.unclosed() == [] and proxy.registry.total_in_flight() == 0
+
+
+async def test_pool_timeout_on_both_backends_is_a_503_naming_saturation() -> None:
+    fake = FakeTransport()
+    for origin in ("http://a", "http://b"):
+        fake.script(origin, Reply(error=UpstreamPoolTimeout("all 1 connections busy for 0.1 s")))
+    proxy = make_proxy(fake)
+    status, body = status_and_body(await run(proxy, context()))
+    assert status == 503
+    assert json.loads(body)["error"] == {
+        "message": "backend b is saturated",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_busy",
+    }
+    assert proxy.registry.total_in_flight() == 0
+
+
+async def test_a_5xx_body_is_closed_before_the_retry_and_the_retry_body_relayed() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply.json({"error": "boom"}, status=500))
+    fake.script(
+        "http://b", Reply(200, [(b"content-type", b"text/event-stream")], [b"data: 1\n\n", b"data: 2\n\n"])
+    )
+    proxy = make_proxy(fake)
+    sent = await run(proxy, context())
+    assert status_and_body(sent) == (200, b"data: 1\n\ndata: 2\n\n")
+    first, second = fake.responses
+    assert first.closed and not first.finished  # abandoned unread
+    assert second.closed and second.finished
+    assert proxy.registry.total_in_flight() == 0
+
+
+async def test_engine_silence_after_the_head_ends_the_stream_with_an_error_event() -> None:
+    stall = asyncio.Event()  # never set
+    fake = FakeTransport()
+    fake.script("http://a", Reply(200, [(b"content-type", b"text/event-stream")], [b"data: 1\n\n", stall]))
+    proxy = make_proxy(fake, read_s=0.05)
+    status, body = status_and_body(await run(proxy, context()))
+    assert status == 200
+    assert body.startswith(b"data: 1\n\nevent: error\ndata: ")
+    assert b'"code": "upstream_timeout"' in body and b"sent nothing for 0.05s" in body
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert fake.unclosed() == [] and proxy.registry.total_in_flight() == 0
