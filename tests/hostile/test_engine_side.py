@@ -1,0 +1,168 @@
+"""What a faulty engine can do to the gateway, through raw sockets: each test names the hardening defect it
+proves fixed (a wedged engine held the client forever, a slow reader was blamed on the engine, a pin never
+left a failing engine, engine headers clients rely on were dropped, /readyz and error bodies leaked internals).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+from conftest import HostileGatewayFactory
+from hostile_engine import HostileEngine, head_then_silence, ok_json, response, steps
+
+from upstreams import FakeEngine
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def test_engine_silent_after_its_sse_head_is_cut_after_read_s(hostile_gateway: HostileGatewayFactory) -> None:
+    # Defect 1: the first silence budget was an absolute loop time passed as a delay: it never fired.
+    engine = HostileEngine({"/v1/chat/completions": head_then_silence()})
+    with engine.serve() as url:
+        c = hostile_gateway(
+            engines=[], raw_engines={"wedged": url}, timeouts={"read_s": 0.5, "request_s": 10}
+        )
+        t = time.monotonic()
+        r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=5)
+        took = time.monotonic() - t
+    lines = [line for line in r.text.splitlines() if line]
+    assert lines[0] == "event: error"
+    assert json.loads(lines[1].removeprefix("data: "))["error"] == {
+        "message": "backend wedged sent nothing for 0.5s",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_timeout",
+    }
+    assert lines[2] == "data: [DONE]"
+    assert 0.5 <= took < 2.5
+    assert c.gateway.registry.total_in_flight() == 0
+
+
+def test_engine_that_promises_a_json_body_and_sends_none_is_cut_by_request_s(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    # Defect 1 too: a JSON head with content-length and no body. request_s bounds the whole request.
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    engine = HostileEngine({"/v1/chat/completions": steps(head, 30.0)})
+    with engine.serve() as url:
+        c = hostile_gateway(
+            engines=[], raw_engines={"wedged": url}, timeouts={"read_s": 60, "request_s": 0.8}
+        )
+        t = time.monotonic()
+        try:
+            httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=5)
+            raise AssertionError("a body cut short must not read as a whole answer")
+        except httpx.RemoteProtocolError:
+            pass  # the only honest signal once the status line is gone: the connection closes
+        assert 0.8 <= time.monotonic() - t < 3
+        assert c.gateway.registry.total_in_flight() == 0
+
+
+def test_a_slow_reader_is_not_blamed_on_a_healthy_engine(hostile_gateway: HostileGatewayFactory) -> None:
+    # Defect 6: time spent waiting for the client to read counted as engine silence.
+    chunk = b"data: " + b"x" * 65530 + b"\n\n"
+    body = chunk * 160  # ~10 MB, far beyond every socket buffer on the way
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body)
+    engine = HostileEngine({"/v1/chat/completions": steps(head + body)})
+    with engine.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"fast": url}, timeouts={"read_s": 0.4})
+        request = json.dumps({**CHAT, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", c.port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(request), request)
+            )
+            s.settimeout(10)
+            got = s.recv(4096)
+            time.sleep(1.5)  # the reader pauses for longer than read_s: the engine is not silent, we are
+            received = len(got)
+            while b"data: [DONE]" not in got[-64:] and received < len(body) + 8192:
+                got = s.recv(1 << 20)
+                if not got:
+                    break
+                received += len(got)
+        assert received >= len(body)  # everything arrived
+        assert b"event: error" not in got
+        assert c.gateway.registry.total_in_flight() == 0
+
+
+def test_a_conversation_leaves_an_engine_that_fails_while_passing_health(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    # Defect 7: the pin stayed; every turn paid the failing engine's whole timeout before retry_next.
+    sick, well = FakeEngine("a"), FakeEngine("b")
+    c = hostile_gateway(engines=[sick, well], routing={"policy": "affinity"}, timeouts={"first_byte_s": 0.5})
+    turn = [{"role": "user", "content": "same chat"}]
+    first = httpx.post(c.url + "/v1/chat/completions", json={"model": "m", "messages": turn})
+    pinned = first.headers["x-warmroute-backend"]
+    other = "b" if pinned == "a" else "a"
+    engines = {"a": sick, "b": well}
+    engines[pinned].stall_s = 5  # health still answers 200
+    follow = [*turn, {"role": "assistant", "content": "x"}, {"role": "user", "content": "turn 2"}]
+    t = time.monotonic()
+    second = httpx.post(c.url + "/v1/chat/completions", json={"model": "m", "messages": follow}, timeout=10)
+    assert (second.headers["x-warmroute-backend"], second.headers["x-warmroute-route"]) == (
+        other,
+        "retry_next",
+    )
+    assert time.monotonic() - t >= 0.5  # this turn paid the timeout once
+    seen = len(engines[pinned].requests)
+    t = time.monotonic()
+    third = httpx.post(c.url + "/v1/chat/completions", json={"model": "m", "messages": follow}, timeout=10)
+    assert (third.headers["x-warmroute-backend"], third.headers["x-warmroute-route"]) == (
+        other,
+        "affinity_hit",
+    )
+    assert time.monotonic() - t < 0.5  # and the next one did not
+    assert len(engines[pinned].requests) == seen
+    engines[pinned].stall_s = 0
+
+
+def test_rate_limit_and_redirect_headers_reach_the_client(hostile_gateway: HostileGatewayFactory) -> None:
+    # Defect 9: Retry-After and x-ratelimit-* on a 429, Location on a redirect, were dropped.
+    limited = response(
+        429,
+        b'{"error": {"message": "slow down"}}',
+        {
+            "content-type": "application/json",
+            "retry-after": "7",
+            "x-ratelimit-remaining-requests": "0",
+            "x-internal-trace": "do-not-relay",
+        },
+    )
+    moved = response(307, b"", {"location": "/v1/files/new-place"})
+    engine = HostileEngine({"/v1/chat/completions": steps(limited), "/v1/files/old": steps(moved)})
+    with engine.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"e": url})
+        r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
+        assert (r.status_code, r.headers["retry-after"]) == (429, "7")
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert "x-internal-trace" not in r.headers
+        r = httpx.get(c.url + "/v1/files/old")
+        assert (r.status_code, r.headers["location"]) == (307, "/v1/files/new-place")
+
+
+def test_readyz_and_error_bodies_show_ids_and_states_not_urls_or_internals(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    # Defect 10: /readyz showed engine URLs and raw error text; 502s named exception classes.
+    engine = HostileEngine({"/v1/chat/completions": steps(b"\x00garbage\r\n\r\n", 0.0)})
+    with engine.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"bad": url}, health={"interval_s": 60})
+        r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
+        assert (r.status_code, r.json()["error"]["message"]) == (502, "backend bad failed before answering")
+        ready = httpx.get(c.url + "/readyz").text
+        port = url.rsplit(":", 1)[1]
+        assert "127.0.0.1" not in ready and port not in ready
+        assert json.loads(ready)["backends"] == {"bad": {"state": "ready"}}
+
+
+def test_a_well_behaved_engine_is_unaffected(hostile_gateway: HostileGatewayFactory) -> None:
+    engine = HostileEngine({"/v1/chat/completions": ok_json({"id": "x", "choices": []})})
+    with engine.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"ok": url})
+        assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).json() == {"id": "x", "choices": []}
