@@ -12,8 +12,8 @@ sockets until the process runs out of file descriptors. ``GatewayHttpProtocol`` 
 - a cap on open connections: the one over it gets 503 at once and is closed, so idle sockets cannot
   exhaust the process's descriptors and /healthz keeps answering.
 
-Cost on the hot path: one timer per request head and one per slow body (none when the body arrives with
-its head), one comparison per received chunk. Errors are OpenAI-shaped; each logs one line.
+Cost on the hot path: one timer per connection (the first head's); later heads and bodies get one only
+if a chunk leaves them incomplete; a few comparisons per received chunk. Errors are OpenAI-shaped; each logs one line.
 """
 
 from __future__ import annotations
@@ -210,8 +210,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._in_body:
             self._body_at = self.loop.time()
         elif self._in_head:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
             room = self.limits.max_header_bytes - self._head_bytes
             if len(data) > room:
                 data = self._feed_head_limited(data, room)
@@ -219,7 +217,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._head_bytes += len(data)
         if data:
             self._feed(data)
-        if self._in_body and self._body_timer is None and not self._discarding:
+        # Timers only for what is still incomplete after this chunk: a head or body that arrives whole
+        # (the common case) costs none. The first head's timer runs from connection_made.
+        if self._discarding:
+            return
+        if self._in_head and self._head_bytes and self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+        elif self._in_body and self._body_timer is None:
             self._body_at = self.loop.time()
             self._body_timer = self.loop.call_later(self.limits.body_read_timeout_s, self._body_timed_out)
 
