@@ -13,7 +13,8 @@ sockets until the process runs out of file descriptors. ``GatewayHttpProtocol`` 
   exhaust the process's descriptors and /healthz keeps answering.
 
 Cost on the hot path: one timer per connection (the first head's); later heads and bodies get one only
-if a chunk leaves them incomplete; a few comparisons per received chunk. Errors are OpenAI-shaped; each logs one line.
+if a chunk leaves them incomplete; a few comparisons per received chunk. Errors are OpenAI-shaped; each
+logs one line.
 """
 
 from __future__ import annotations
