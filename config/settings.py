@@ -82,6 +82,9 @@ class TimeoutConfig(_Section):
 class LimitsConfig(_Section):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_connections: int = Field(default=1024, ge=1, description="Upstream connection pool size")
+    body_read_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest silence while a client sends a request body (then 408)"
+    )
 
 
 class UpstreamConfig(_Section):
@@ -112,6 +115,20 @@ class ServerConfig(_Section):
     port: int = Field(default=8080, ge=0, le=65535)
     workers: int = Field(default=1, ge=1)
     log_level: str = "info"
+    # What one client may do to the server (per worker process); see gateway/server.py.
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="From accept (or the next request's first byte) to a complete head"
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="Request line plus headers; more is refused with 431"
+    )
+    max_headers: int = Field(default=100, ge=8, description="Header fields per request; more is 431")
+    max_connections: int = Field(
+        default=2048,
+        ge=1,
+        description="Open client connections per worker; one more is answered 503 and closed at once "
+        "(keep it below the process's open-file limit minus the upstream pool)",
+    )
 
 
 class RedisConfig(_Section):

@@ -13,9 +13,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-import uvicorn
-
 from config.settings import ConfigError, load_settings
+from gateway.server import run, uvicorn_config
 
 #: Subcommands implemented elsewhere, imported by name only when used: name -> (module, help).
 _DELEGATES: dict[str, tuple[str, str]] = {
@@ -69,18 +68,11 @@ def _serve(ns: argparse.Namespace) -> int:
     )
     if ns.config:
         os.environ["WARMROUTE_CONFIG_FILE"] = os.path.abspath(ns.config)
-    uvicorn.run(
-        "gateway.app:create_app_from_env",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        log_level=server.log_level,
-        server_header=False,
-        access_log=False,
-        proxy_headers=False,
+    # Our Config subclass carries the inbound limits (header/body deadlines, head size, connection cap).
+    config = uvicorn_config(
+        "gateway.app:create_app_from_env", settings, factory=True, host=host, port=port, workers=workers
     )
-    return 0
+    return run(config)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,27 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The client took too long to send its request head or went silent mid-body."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class RequestHeaderTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_too_large"
+
+
+class ServerBusy(GatewayError):
+    """Refused at accept: the gateway holds as many client connections as it may."""
+
+    status = 503
+    code = "server_busy"
+
+
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"

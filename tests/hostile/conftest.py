@@ -1,0 +1,111 @@
+"""Fixtures for hostile tests: the gateway served exactly as ``warmroute serve`` serves it, and its log."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvicorn
+from hostile_net import served
+
+from config.settings import load_settings
+from gateway.app import Gateway, create_app
+from gateway.server import uvicorn_config
+
+from upstreams import FakeEngine, serve
+
+#: Small enough that a test waiting for a deadline takes a second, not ten.
+FAST = {"header_timeout_s": 0.5}
+FAST_LIMITS = {"body_read_timeout_s": 0.5}
+
+
+@dataclass
+class HostileGateway:
+    port: int
+    url: str
+    engines: dict[str, FakeEngine]
+    gateway: Gateway
+    server: uvicorn.Server
+
+    def open_connections(self) -> int:
+        return len(self.server.server_state.connections)
+
+
+HostileGatewayFactory = Callable[..., HostileGateway]
+
+
+def start_gateway(
+    stack: contextlib.ExitStack,
+    engines: list[FakeEngine] | None = None,
+    raw_engines: dict[str, str] | None = None,
+    **overrides: Any,
+) -> HostileGateway:
+    """Fake engine "a" (or ``engines``) and a gateway served through ``gateway.server.uvicorn_config`` (the
+    real protocol class), with short deadlines unless overridden; all stopped when ``stack`` closes.
+    ``raw_engines``: backend id -> URL of an engine served elsewhere (a HostileEngine), model "m"."""
+    fakes = engines if engines is not None else [FakeEngine("a")]
+    urls = {f.name: stack.enter_context(serve(f.app()))[0] for f in fakes}
+    backends = [{"id": f.name, "url": urls[f.name], "models": list(f.models)} for f in fakes]
+    backends += [{"id": name, "url": url, "models": ["m"]} for name, url in (raw_engines or {}).items()]
+    overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+    overrides["server"] = {**FAST, **overrides.get("server", {})}
+    overrides["limits"] = {**FAST_LIMITS, **overrides.get("limits", {})}
+    settings = load_settings(None, backends=backends, **overrides)
+    app = create_app(settings)
+    config = uvicorn_config(
+        app, settings, host="127.0.0.1", port=0, lifespan="on", log_config=None, log_level="warning"
+    )
+    port, server = stack.enter_context(served(config))
+    _uvicorn_to_caplog()
+    gw = app.state.gateway
+    return HostileGateway(port, f"http://127.0.0.1:{port}", {f.name: f for f in fakes}, gw, server)
+
+
+@pytest.fixture
+def hostile_gateway() -> Iterator[HostileGatewayFactory]:
+    """``hostile_gateway(server={...}, limits={...})``: a gateway of this test's own (see start_gateway)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *args, **kw: start_gateway(stack, *args, **kw)
+
+
+@pytest.fixture(scope="module")
+def shared_gateway() -> Iterator[HostileGateway]:
+    """One default gateway for a whole module, for tests that only send requests (fuzzers): clear
+    ``engines[...].requests`` yourself if you assert on them."""
+    with contextlib.ExitStack() as stack:
+        yield start_gateway(stack)
+
+
+def _uvicorn_to_caplog() -> None:
+    # Every uvicorn dictConfig (engines' servers run one) stops "uvicorn" propagating to the root logger,
+    # where caplog listens; the gateway's own tracebacks would go unseen.
+    logging.getLogger("uvicorn").propagate = True
+
+
+@pytest.fixture
+def gateway_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    _uvicorn_to_caplog()
+    caplog.set_level(logging.INFO)
+    yield caplog
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """Records from the gateway and uvicorn at INFO and above (background health probes left out)."""
+    return [
+        r
+        for r in caplog.records
+        if r.name.startswith(("warmroute", "uvicorn"))
+        and not r.name.startswith("warmroute.health")
+        and r.levelno >= logging.INFO
+    ]
+
+
+def assert_one_line(caplog: pytest.LogCaptureFixture, says: str) -> None:
+    """The handled error logged exactly one line saying ``says``, and nothing logged a traceback."""
+    got = lines(caplog)
+    assert not [r for r in got if r.exc_info], [r.getMessage() for r in got]
+    assert [says in r.getMessage() for r in got] == [True], [r.getMessage() for r in got]
