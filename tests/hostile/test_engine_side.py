@@ -1,6 +1,7 @@
 """What a faulty engine can do to the gateway, through raw sockets: each test names the hardening defect it
 proves fixed (a wedged engine held the client forever, a slow reader was blamed on the engine, a pin never
-left a failing engine, engine headers clients rely on were dropped, /readyz and error bodies leaked internals).
+left a failing engine, engine headers clients rely on were dropped, /readyz and error bodies leaked
+internals).
 """
 
 from __future__ import annotations
@@ -10,18 +11,23 @@ import socket
 import time
 
 import httpx
-from conftest import HostileGatewayFactory
-from hostile_engine import HostileEngine, head_then_silence, ok_json, response, steps
+from hostile_engine import HostileEngine, Script, head_then_silence, ok_json, response, steps
 
+from conftest import HostileGatewayFactory
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
+def engine(routes: dict[str, Script]) -> HostileEngine:
+    """A hostile engine whose /health is fine: the health checker keeps it READY, so traffic reaches it."""
+    return HostileEngine({"/health": steps(response(200)), **routes})
+
+
 def test_engine_silent_after_its_sse_head_is_cut_after_read_s(hostile_gateway: HostileGatewayFactory) -> None:
     # Defect 1: the first silence budget was an absolute loop time passed as a delay: it never fired.
-    engine = HostileEngine({"/v1/chat/completions": head_then_silence()})
-    with engine.serve() as url:
+    engine_ = engine({"/v1/chat/completions": head_then_silence()})
+    with engine_.serve() as url:
         c = hostile_gateway(
             engines=[], raw_engines={"wedged": url}, timeouts={"read_s": 0.5, "request_s": 10}
         )
@@ -46,8 +52,8 @@ def test_engine_that_promises_a_json_body_and_sends_none_is_cut_by_request_s(
 ) -> None:
     # Defect 1 too: a JSON head with content-length and no body. request_s bounds the whole request.
     head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
-    engine = HostileEngine({"/v1/chat/completions": steps(head, 30.0)})
-    with engine.serve() as url:
+    engine_ = engine({"/v1/chat/completions": steps(head, 30.0)})
+    with engine_.serve() as url:
         c = hostile_gateway(
             engines=[], raw_engines={"wedged": url}, timeouts={"read_s": 60, "request_s": 0.8}
         )
@@ -62,31 +68,29 @@ def test_engine_that_promises_a_json_body_and_sends_none_is_cut_by_request_s(
 
 
 def test_a_slow_reader_is_not_blamed_on_a_healthy_engine(hostile_gateway: HostileGatewayFactory) -> None:
-    # Defect 6: time spent waiting for the client to read counted as engine silence.
+    # Defect 6: time spent waiting for the client to read counted as engine silence (a 20 MB answer was
+    # cut at 4 MB when the client paused longer than read_s).
     chunk = b"data: " + b"x" * 65530 + b"\n\n"
-    body = chunk * 160  # ~10 MB, far beyond every socket buffer on the way
+    body = chunk * 384  # 24 MiB: more than every socket buffer on the way can hold
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body)
-    engine = HostileEngine({"/v1/chat/completions": steps(head + body)})
-    with engine.serve() as url:
+    engine_ = engine({"/v1/chat/completions": steps(head + body)})
+    with engine_.serve() as url:
         c = hostile_gateway(engines=[], raw_engines={"fast": url}, timeouts={"read_s": 0.4})
         request = json.dumps({**CHAT, "stream": True}).encode()
         with socket.create_connection(("127.0.0.1", c.port)) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.sendall(
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(request), request)
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(request), request)
             )
             s.settimeout(10)
-            got = s.recv(4096)
+            received = [s.recv(65536)]
             time.sleep(1.5)  # the reader pauses for longer than read_s: the engine is not silent, we are
-            received = len(got)
-            while b"data: [DONE]" not in got[-64:] and received < len(body) + 8192:
-                got = s.recv(1 << 20)
-                if not got:
-                    break
-                received += len(got)
-        assert received >= len(body)  # everything arrived
-        assert b"event: error" not in got
+            while data := s.recv(1 << 20):
+                received.append(data)
+        answer = b"".join(received)
+        assert answer.count(b"data: ") == 384  # every event arrived
+        assert b"event: error" not in answer
+        assert answer.endswith(b"0\r\n\r\n")  # and the chunked body ended properly
         assert c.gateway.registry.total_in_flight() == 0
 
 
@@ -135,8 +139,8 @@ def test_rate_limit_and_redirect_headers_reach_the_client(hostile_gateway: Hosti
         },
     )
     moved = response(307, b"", {"location": "/v1/files/new-place"})
-    engine = HostileEngine({"/v1/chat/completions": steps(limited), "/v1/files/old": steps(moved)})
-    with engine.serve() as url:
+    engine_ = engine({"/v1/chat/completions": steps(limited), "/v1/files/old": steps(moved)})
+    with engine_.serve() as url:
         c = hostile_gateway(engines=[], raw_engines={"e": url})
         r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
         assert (r.status_code, r.headers["retry-after"]) == (429, "7")
@@ -150,8 +154,8 @@ def test_readyz_and_error_bodies_show_ids_and_states_not_urls_or_internals(
     hostile_gateway: HostileGatewayFactory,
 ) -> None:
     # Defect 10: /readyz showed engine URLs and raw error text; 502s named exception classes.
-    engine = HostileEngine({"/v1/chat/completions": steps(b"\x00garbage\r\n\r\n", 0.0)})
-    with engine.serve() as url:
+    engine_ = engine({"/v1/chat/completions": steps(b"\x00garbage\r\n\r\n", 0.0)})
+    with engine_.serve() as url:
         c = hostile_gateway(engines=[], raw_engines={"bad": url}, health={"interval_s": 60})
         r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
         assert (r.status_code, r.json()["error"]["message"]) == (502, "backend bad failed before answering")
@@ -162,7 +166,7 @@ def test_readyz_and_error_bodies_show_ids_and_states_not_urls_or_internals(
 
 
 def test_a_well_behaved_engine_is_unaffected(hostile_gateway: HostileGatewayFactory) -> None:
-    engine = HostileEngine({"/v1/chat/completions": ok_json({"id": "x", "choices": []})})
-    with engine.serve() as url:
+    engine_ = engine({"/v1/chat/completions": ok_json({"id": "x", "choices": []})})
+    with engine_.serve() as url:
         c = hostile_gateway(engines=[], raw_engines={"ok": url})
         assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).json() == {"id": "x", "choices": []}

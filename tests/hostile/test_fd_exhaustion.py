@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hostile_net import PeerClosed, RawClient, get
 
-from redis_server import free_port
+from tools.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FD_LIMIT = 64  # the process itself needs ~25 (interpreter, event loop, listener, client pools)

@@ -8,8 +8,9 @@ import json
 
 import httpx
 import pytest
-from conftest import HostileGateway, HostileGatewayFactory
 from hostile_net import RawClient
+
+from conftest import HostileGateway, HostileGatewayFactory
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
