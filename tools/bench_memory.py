@@ -5,10 +5,11 @@
 In a fresh interpreter (so its RSS holds nothing else), builds ``MemoryAffinityStore`` as the gateway does
 and claims N conversations the way a routed request does: ``chat_key`` on a realistic body (the
 benchmark's ~300-byte system prompt and a distinct first user message), then the store's ``view``, the
-affinity policy over N ready backends and ``commit``. Reports RSS before and after (bytes per conversation,
-next to the sizes of the objects an entry holds), time per claim, the collections the garbage collector ran
-meanwhile and how long a full ``gc.collect()`` takes with the table alive: a pause that long stops every
-request in flight, so it is the first suspect for a p99 tail.
+affinity policy over N ready backends and ``commit``; like ``warmroute serve``, it first calls
+``gc.freeze()`` (``--no-freeze`` skips it). Reports RSS before and after (bytes per conversation), time per
+claim, the collections the garbage collector ran meanwhile, the objects it tracks per conversation, and how
+long a full ``gc.collect()`` takes with the table alive: a pause that long stops every request in flight,
+so it is the first suspect for a p99 tail.
 
 Also home of what ``tools.bench_proxy`` shares with it: the benchmark's request body and ``GcPauses``.
 """
@@ -96,12 +97,12 @@ def rss_bytes(pid: int | str = "self") -> int:
     return int(m.group(1)) * 1024
 
 
-def measure(conversations: int, backends: int) -> dict[str, Any]:
+def measure(conversations: int, backends: int, freeze: bool = True) -> dict[str, Any]:
     """The measurement itself, in this process: call it in a fresh interpreter (``main`` does)."""
-    return asyncio.run(_measure(conversations, backends))
+    return asyncio.run(_measure(conversations, backends, freeze))
 
 
-async def _measure(n: int, n_backends: int) -> dict[str, Any]:
+async def _measure(n: int, n_backends: int, freeze: bool) -> dict[str, Any]:
     from config.settings import RoutingConfig
     from gateway.state import MemoryAffinityStore
 
@@ -109,8 +110,11 @@ async def _measure(n: int, n_backends: int) -> dict[str, Any]:
     claim = _claimer(store, n_backends)
     await claim(-1)  # the first call imports and warms what every later one uses; its entry is dropped
     store.table.forget_backend(next(iter(store.table.counts())))
-    empty = [_timed(gc.collect) for _ in range(2)]  # the process's own objects: the baseline pause
-    before, pauses = rss_bytes(), GcPauses().install()
+    if freeze:  # as the gateway's lifespan does once it has started (gateway/app.py)
+        gc.collect()
+        gc.freeze()
+    empty = [_timed(gc.collect) for _ in range(2)]  # what a full collection walks without the table
+    tracked_before, before, pauses = len(gc.get_objects()), rss_bytes(), GcPauses().install()
     key_s = route_s = 0.0
     for i in range(n):
         k, r = await claim(i)
@@ -120,14 +124,16 @@ async def _measure(n: int, n_backends: int) -> dict[str, Any]:
     full = [_timed(gc.collect) for _ in range(3)]
     young = [_timed(lambda g=g: gc.collect(g)) for g in (0, 1)]
     assert len(store.table) == n, (len(store.table), n)
+    tracked = len(gc.get_objects())
     return {
         "conversations": n,
+        "frozen": freeze,
         "backends": dict(store.table.counts()),
         "rss_before_bytes": before,
         "rss_after_bytes": after,
         "rss_after_gc_bytes": rss_bytes(),
         "bytes_per_conversation": (after - before) / n,
-        "entry_objects_bytes": _entry_sizes(store.table, n - 1),
+        "key_bytes": sys.getsizeof(chat_key_of(n - 1)),
         "chat_key_us": key_s / n * 1e6,
         "claim_us": route_s / n * 1e6,
         "gc_during_claims": during,
@@ -135,9 +141,16 @@ async def _measure(n: int, n_backends: int) -> dict[str, Any]:
         "gc_collect_full_ms": [t * 1e3 for t in full],
         "gc_collect_gen0_ms": young[0] * 1e3,
         "gc_collect_gen1_ms": young[1] * 1e3,
-        "gc_tracked_objects": len(gc.get_objects()),
+        "gc_tracked_objects": tracked,
+        "gc_tracked_per_conversation": (tracked - tracked_before) / n,
         "gc_threshold": list(gc.get_threshold()),
     }
+
+
+def chat_key_of(i: int) -> str:
+    from routing.keys import chat_key
+
+    return chat_key(conversation_body(f"{i:016d}", "bench"))
 
 
 def _claimer(store: Any, n_backends: int) -> Callable[[int], Awaitable[tuple[float, float]]]:
@@ -176,21 +189,8 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def _entry_sizes(table: Any, i: int) -> dict[str, Any]:
-    """The objects conversation ``i``'s entry holds (key str, (backend, expires_at) tuple, the float), as
-    sys.getsizeof counts them; the rest of bytes per conversation is the OrderedDict and the allocator."""
-    from routing.keys import chat_key
-
-    key = chat_key(conversation_body(f"{i:016d}", "bench"))
-    entry = table.entry(key)
-    assert entry is not None, "conversation not pinned"
-    sizes = {"key": sys.getsizeof(key), "tuple": sys.getsizeof(entry), "float": sys.getsizeof(entry[1])}
-    return {**sizes, "total": sum(sizes.values()), "tuple_gc_tracked": gc.is_tracked(entry)}
-
-
 def render(doc: dict[str, Any]) -> str:
     n, mb = doc["conversations"], 1024 * 1024
-    sizes = doc["entry_objects_bytes"]
     during = ", ".join(
         f"{g} {s['count']:,.0f} (max {s['max_ms']:.2f} ms, total {s['total_ms']:.0f} ms)"
         for g, s in doc["gc_during_claims"].items()
@@ -199,24 +199,25 @@ def render(doc: dict[str, Any]) -> str:
     empty = ", ".join(f"{t:.1f}" for t in doc["gc_collect_full_empty_table_ms"])
     spread = ", ".join(f"{b} {c:,}" for b, c in sorted(doc["backends"].items()))
     per = doc["bytes_per_conversation"]
-    lines = [
-        f"{n:,} conversations claimed: chat_key on distinct first messages, MemoryAffinityStore view/commit,"
-        " affinity policy",
-        f"  spread over backends: {spread}",
-        f"  RSS before {doc['rss_before_bytes'] / mb:.1f} MB, after {doc['rss_after_bytes'] / mb:.1f} MB"
-        f" (after gc.collect {doc['rss_after_gc_bytes'] / mb:.1f} MB): {per:.0f} bytes per conversation",
-        f"  one entry's objects (sys.getsizeof): key {sizes['key']} + tuple {sizes['tuple']} + float"
-        f" {sizes['float']} = {sizes['total']} bytes (tuple GC-tracked: {sizes['tuple_gc_tracked']});"
-        f" the other {per - sizes['total']:.0f} are the OrderedDict and the allocator",
-        f"  1 M conversations at this rate: {per * 1e6 / mb:.0f} MB above the process's baseline",
-        f"  per claim: chat_key {doc['chat_key_us']:.2f} us + view/select/commit {doc['claim_us']:.2f} us",
-        f"  GC during the claims: {during}",
-        f"  gc.collect() with the table alive: full {full} ms (1st, 2nd, 3rd);"
-        f" gen0 {doc['gc_collect_gen0_ms']:.2f} ms, gen1 {doc['gc_collect_gen1_ms']:.2f} ms;"
-        f" {doc['gc_tracked_objects']:,} tracked objects, thresholds {doc['gc_threshold']}",
-        f"  gc.collect() before the claims (the imports alone): {empty} ms",
-    ]
-    return "\n".join(lines)
+    frozen = "gc.freeze() after start-up, as the gateway does" if doc["frozen"] else "no gc.freeze()"
+    return "\n".join(
+        [
+            f"{n:,} conversations claimed: chat_key on distinct first messages, MemoryAffinityStore"
+            f" view/commit, affinity policy; {frozen}",
+            f"  spread over backends: {spread}",
+            f"  RSS before {doc['rss_before_bytes'] / mb:.1f} MB, after {doc['rss_after_bytes'] / mb:.1f} MB"
+            f" (after gc.collect {doc['rss_after_gc_bytes'] / mb:.1f} MB): {per:.0f} bytes per conversation,"
+            f" of which the key string is {doc['key_bytes']}",
+            f"  1 M conversations at this rate: {per * 1e6 / mb:.0f} MB above the process's baseline",
+            f"  per claim: chat_key {doc['chat_key_us']:.2f} us"
+            f" + view/select/commit {doc['claim_us']:.2f} us",
+            f"  GC during the claims: {during}",
+            f"  gc.collect() with the table alive: full {full} ms (1st, 2nd, 3rd);"
+            f" gen0 {doc['gc_collect_gen0_ms']:.2f} ms, gen1 {doc['gc_collect_gen1_ms']:.2f} ms",
+            f"  gc.collect() before the claims: {empty} ms; tracked objects now {doc['gc_tracked_objects']:,}"
+            f" ({doc['gc_tracked_per_conversation']:.3f} per conversation), thresholds {doc['gc_threshold']}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,15 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=1_000_000)
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--no-freeze", dest="freeze", action="store_false", help="skip the gateway's gc.freeze()")
     ap.add_argument("--in-process", action="store_true", help="measure in this process (no fresh one)")
     args = ap.parse_args(argv)
     if not 1 <= args.conversations <= MAX_ENTRIES:
         ap.error(f"--conversations must be 1..{MAX_ENTRIES:,}")
     if args.in_process:
-        doc = measure(args.conversations, args.backends)
+        doc = measure(args.conversations, args.backends, args.freeze)
     else:
         cmd = [sys.executable, "-m", "tools.bench_memory", "--in-process", "--json", "-"]
         cmd += ["--conversations", str(args.conversations), "--backends", str(args.backends)]
+        cmd += [] if args.freeze else ["--no-freeze"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         doc = json.loads(done.stdout)
     if args.json is not None and str(args.json) == "-":

@@ -18,8 +18,7 @@ throughput, latency and the gateway's CPU per request (/proc, user+system) at N 
 gateway interleaved for ``--rounds`` rounds, medians quoted. After each path: the gateway's RSS, its
 affinity entries (if /readyz shows them), its routing decisions (a check that the path really was all hits
 or all claims) and, per run, its garbage-collector pauses (``gc.callbacks`` installed by a wrapper around
-the same ``warmroute serve``, read back on SIGUSR1; ``--no-gc-probe`` runs the plain command;
-``--gc-freeze``, an experiment, calls ``gc.freeze()`` there after the warm-up).
+the same ``warmroute serve``, read back on SIGUSR1; ``--no-gc-probe`` runs the plain command).
 
 On a 2-core machine the three processes share the cores, so throughput is a lower bound, and a machine
 shared with other work makes every number noisy: compare direct vs gateway and path vs path in one run.
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import re
@@ -146,16 +144,13 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def probed_gateway(argv: list[str]) -> int:
-    """``warmroute serve`` (``argv[2:]``) with ``GcPauses`` installed; SIGUSR1 writes the pauses since the
-    last signal to ``argv[0]`` as JSON (with a sequence number, replaced atomically) and starts afresh.
-    ``argv[1] == "freeze"``: the first signal also calls ``gc.freeze()`` (the ``--gc-freeze`` experiment)."""
+    """``warmroute serve`` (``argv[1:]``) with ``GcPauses`` installed; SIGUSR1 writes the pauses since the
+    last signal to ``argv[0]`` as JSON (with a sequence number, replaced atomically) and starts afresh."""
     from gateway.cli import main as gateway_main
 
-    out, freeze, probe, seq = Path(argv[0]), argv[1] == "freeze", GcPauses().install(), [0]
+    out, probe, seq = Path(argv[0]), GcPauses().install(), [0]
 
     def dump(_sig: int, _frame: FrameType | None) -> None:
-        if freeze and seq[0] == 0:
-            gc.freeze()  # everything alive now (imports, app, affinity table) leaves the collector's scans
         seq[0] += 1
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps({"seq": seq[0], **probe.snapshot()}))
@@ -163,7 +158,7 @@ def probed_gateway(argv: list[str]) -> int:
         probe.reset()
 
     signal.signal(signal.SIGUSR1, dump)
-    return gateway_main(argv[2:])
+    return gateway_main(argv[1:])
 
 
 _PROBED = "import sys; from tools.bench_proxy import probed_gateway; sys.exit(probed_gateway(sys.argv[1:]))"
@@ -327,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Path(tmp, "gw.yaml")
         config.write_text(json.dumps(_gateway_config(gw_port, up_port)))
         gc_file = Path(tmp, "gc.json") if args.gc_probe else None
-        gw_proc = children.enter_context(child(_gateway_argv(config, gc_file, args.gc_freeze)))
+        gw_proc = children.enter_context(child(_gateway_argv(config, gc_file)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
         wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
         gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
@@ -349,15 +344,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
-    ap.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="experiment, not the product: gc.freeze() in the gateway after the warm-up, to see how much of "
-        "the tail is the collector scanning long-lived objects",
-    )
     args = ap.parse_args(argv)
-    if args.gc_freeze and not args.gc_probe:
-        ap.error("--gc-freeze needs the GC probe")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not args.paths or set(args.paths) - set(PATHS) or len(set(args.paths)) != len(args.paths):
         ap.error(f"--paths: distinct names from {', '.join(PATHS)} (got {args.paths})")
@@ -366,11 +353,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _gateway_argv(config: Path, gc_file: Path | None, freeze: bool) -> list[str]:
+def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
     serve = ("serve", "--config", str(config))
     if gc_file is None:
         return python("-m", "gateway.cli", *serve)
-    return python("-c", _PROBED, str(gc_file), "freeze" if freeze else "-", *serve)
+    return python("-c", _PROBED, str(gc_file), *serve)
 
 
 def _gateway_config(gw_port: int, up_port: int) -> dict[str, Any]:
@@ -384,9 +371,7 @@ def _gateway_config(gw_port: int, up_port: int) -> dict[str, Any]:
 def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     sizes = {len(render(p, "0" * TOKEN_WIDTH)[1]) for p in PATHS}
     assert len(sizes) == 1, f"bodies differ in size between paths: {sizes}"
-    probe = (", GC probe on" if args.gc_probe else "") + (
-        ", gc.freeze() after warm-up" if args.gc_freeze else ""
-    )
+    probe = ", GC probe on" if args.gc_probe else ""
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
     print(f"gateway: 1 uvicorn worker, affinity policy, in-memory state{probe}; all on 127.0.0.1")
     print(

@@ -19,14 +19,13 @@ def test_tiny_table_reports_memory_claim_time_and_gc_pauses(tmp_path: Path) -> N
     assert doc["backends"] == {"gpu-0": 500, "gpu-1": 500, "gpu-2": 500, "gpu-3": 500}  # least loaded: even
     assert 0 < doc["rss_before_bytes"] <= doc["rss_after_bytes"]
     assert doc["bytes_per_conversation"] == (doc["rss_after_bytes"] - doc["rss_before_bytes"]) / 2000
-    sizes = doc["entry_objects_bytes"]
-    assert sizes["key"] == sys.getsizeof("0" * 32)  # the key is xxh3-128 as 32 hex characters
-    assert sizes["total"] == sizes["key"] + sizes["tuple"] + sizes["float"]
+    assert doc["key_bytes"] == sys.getsizeof("0" * 32)  # the key is xxh3-128 as 32 hex characters
+    assert doc["frozen"] is True and doc["gc_tracked_per_conversation"] < 1
     assert doc["chat_key_us"] > 0 and doc["claim_us"] > 0
     assert len(doc["gc_collect_full_ms"]) == 3 and all(t > 0 for t in doc["gc_collect_full_ms"])
     assert set(doc["gc_during_claims"]) == {"gen0", "gen1", "gen2"}
     assert doc["gc_during_claims"]["gen0"]["count"] > 0  # 2,000 claims allocate far more than 700 objects
-    assert doc["gc_tracked_objects"] > 1000
+    assert doc["gc_tracked_objects"] >= 0 and len(doc["gc_threshold"]) == 3
 
 
 def test_measure_in_process_spreads_new_conversations_evenly() -> None:
