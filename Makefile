@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test lint e2e e2e-venv bench bench-proxy fmt clean
+.PHONY: venv demo test lint e2e e2e-venv bench bench-proxy bench-memory fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,8 +40,13 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/warmroute bench --json bench-out/bench.json
 
+# Affinity hits and new conversations, direct vs one gateway worker (~2.5 min; --paths hit,new,new-session).
 bench-proxy: $(STAMP)
-	$(BIN)/python -m tools.bench_proxy
+	$(BIN)/python -m tools.bench_proxy --json bench-out/proxy.json
+
+# 1 M pinned conversations in the in-memory affinity store: RSS, time per claim, gc.collect() pause.
+bench-memory: $(STAMP)
+	$(BIN)/python -m tools.bench_memory --json bench-out/memory.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

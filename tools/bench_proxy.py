@@ -1,15 +1,27 @@
 """Proxy overhead benchmark (not a test): a fast local upstream, direct vs through one gateway worker.
 
-    python -m tools.bench_proxy [--seconds 10] [--concurrency 32]
+    python -m tools.bench_proxy [--paths hit,new] [--seconds 5] [--rounds 3] [--concurrency 32] [--json F]
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
 completion), the gateway (one uvicorn worker, affinity policy, in-memory state) and the load generator (wrk
-when installed, else a Python client, which is slower and makes the numbers pessimistic). Reports:
+when installed, else a Python client at 1 connection only, which is slower and makes the numbers
+pessimistic). Every request body has the same size (a ~300-byte system prompt and a ~200-byte first user
+message, built per request by a wrk Lua script); the paths differ in what makes the conversation:
 
-- added latency at 1 concurrent request: p50/p99 through the gateway minus direct;
-- throughput at N concurrent requests, and the gateway's CPU time per request (from /proc, user+system).
+- ``hit``: one conversation, every request an affinity hit (only the OpenAI ``user`` field varies);
+- ``new``: every request a new conversation: a distinct first user message, no session header, so the
+  gateway hashes the head (``chat_key``) and claims a pin: what every real conversation's first turn costs;
+- ``new-session``: the hit body with a distinct ``x-session-id`` per request (``session_key``, no hashing).
 
-On a 2-core machine the three processes share the cores, so throughput is a lower bound.
+Per path: added latency at 1 connection (p50/p99 through the gateway minus direct, round by round) and
+throughput, latency and the gateway's CPU per request (/proc, user+system) at N connections; direct and
+gateway interleaved for ``--rounds`` rounds, medians quoted. After each path: the gateway's RSS, its
+affinity entries (if /readyz shows them), its routing decisions (a check that the path really was all hits
+or all claims) and, per run, its garbage-collector pauses (``gc.callbacks`` installed by a wrapper around
+the same ``warmroute serve``, read back on SIGUSR1; ``--no-gc-probe`` runs the plain command).
+
+On a 2-core machine the three processes share the cores, so throughput is a lower bound, and a machine
+shared with other work makes every number noisy: compare direct vs gateway and path vs path in one run.
 """
 
 from __future__ import annotations
@@ -20,24 +32,32 @@ import json
 import os
 import re
 import shutil
-import statistics
+import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
 
+from tools.bench_memory import GcPauses, conversation_body, rss_bytes
+from tools.bench_proxy_report import PathResult, Run, medians, path_lines, table, targets
 from tools.bench_report import percentile
 from tools.procs import child, free_port, python, wait_http
 
+#: The small body ``tools.bench_upstream`` sends (this benchmark sends ``conversation_body`` instead).
 BODY = {
     "model": "bench",
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
 }
+PATHS = ("hit", "new", "new-session")
+SESSION_HEADER = "x-session-id"  # RoutingConfig.session_header's default
+TOKEN_WIDTH = 16  # the Lua script's "%4s%02d%010d": run tag, wrk thread, request counter
+HIT_TOKEN = "conversation-one"  # ends the first message on the hit and new-session paths
+KEY_SLOT, USER_SLOT = "@KEY@", "@USER@"
 _ANSWER = json.dumps(
     {
         "id": "x",
@@ -48,6 +68,59 @@ _ANSWER = json.dumps(
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
     }
 ).encode()
+
+# Fills the template's two slots per request (``render`` is its Python twin; a test holds them equal). One
+# Lua state per wrk thread: setup() numbers the threads, so tokens are unique across threads and, with the
+# run tag, across runs. done() prints one parseable line.
+_LUA = r"""
+local tag, mode, fixed, head, middle, tail
+local counter, next_thread = 0, 0
+local headers = {["Content-Type"] = "application/json"}
+function setup(thread)
+  thread:set("thread_id", next_thread)
+  next_thread = next_thread + 1
+end
+function init(args)
+  tag, mode, fixed = args[1], args[2], args[4]
+  local f = assert(io.open(args[3], "rb"))
+  local t = f:read("*a")
+  f:close()
+  local k, u = string.find(t, "@KEY@", 1, true), string.find(t, "@USER@", 1, true)
+  head, middle, tail = t:sub(1, k - 1), t:sub(k + 5, u - 1), t:sub(u + 6)
+end
+function request()
+  counter = counter + 1
+  local token = string.format("%4s%02d%010d", tag, thread_id or 0, counter)
+  if mode == "new-session" then headers["x-session-id"] = token end
+  local key = (mode == "new") and token or fixed
+  return wrk.format("POST", nil, headers, head .. key .. middle .. token .. tail)
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "BENCH requests=%d duration_us=%d connect=%d read=%d write=%d status=%d timeout=%d " ..
+    "p50_us=%.0f p90_us=%.0f p99_us=%.0f p999_us=%.0f max_us=%.0f\n",
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency:percentile(99.9),
+    latency.max))
+end
+"""
+
+
+def template() -> str:
+    text = json.dumps(conversation_body(KEY_SLOT, USER_SLOT))
+    assert text.index(KEY_SLOT) < text.index(USER_SLOT), "the Lua script fills the key slot first"
+    return text
+
+
+def render(path: str, token: str) -> tuple[dict[str, str], bytes]:
+    """Headers and body of the request the Lua script sends on ``path`` with ``token`` (the same bytes)."""
+    assert path in PATHS and len(token) == TOKEN_WIDTH, (path, token)
+    headers = {"content-type": "application/json"}
+    if path == "new-session":
+        headers[SESSION_HEADER] = token
+    key = token if path == "new" else HIT_TOKEN
+    return headers, template().replace(KEY_SLOT, key).replace(USER_SLOT, token).encode()
 
 
 async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -70,16 +143,66 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": _ANSWER})
 
 
-@dataclass
-class Run:
-    requests: int
-    seconds: float
-    p50_ms: float
-    p99_ms: float
+def probed_gateway(argv: list[str]) -> int:
+    """``warmroute serve`` (``argv[1:]``) with ``GcPauses`` installed; SIGUSR1 writes the pauses since the
+    last signal to ``argv[0]`` as JSON (with a sequence number, replaced atomically) and starts afresh."""
+    from gateway.cli import main as gateway_main
 
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds
+    out, probe, seq = Path(argv[0]), GcPauses().install(), [0]
+
+    def dump(_sig: int, _frame: FrameType | None) -> None:
+        seq[0] += 1
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"seq": seq[0], **probe.snapshot()}))
+        os.replace(tmp, out)
+        probe.reset()
+
+    signal.signal(signal.SIGUSR1, dump)
+    return gateway_main(argv[1:])
+
+
+_PROBED = "import sys; from tools.bench_proxy import probed_gateway; sys.exit(probed_gateway(sys.argv[1:]))"
+
+
+@dataclass
+class Gateway:
+    """The gateway under test, seen from outside: /proc, /readyz, /metrics and the GC probe's file."""
+
+    pid: int
+    base: str
+    gc_file: Path | None
+    _seq: int = 0
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def rss_bytes(self) -> int:
+        return rss_bytes(self.pid)
+
+    def entries(self) -> int | None:
+        """/readyz's shared_state.entries, if it shows them (the memory store's status() has them)."""
+        found = httpx.get(self.base + "/readyz").json().get("shared_state", {}).get("entries")
+        return found if isinstance(found, int) else None
+
+    def decisions(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics").text
+        pattern = r'^warmroute_routing_decisions_total\{reason="(\w+)"\} ([\d.e+]+)$'
+        return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
+
+    def gc_pauses(self) -> dict[str, dict[str, float]] | None:
+        """The collections since the previous call (None without the probe)."""
+        if self.gc_file is None:
+            return None
+        self._seq += 1
+        os.kill(self.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                doc: dict[str, Any] = json.loads(self.gc_file.read_text())
+                if doc["seq"] == self._seq:
+                    return {k: v for k, v in doc.items() if k != "seq"}
+            time.sleep(0.01)
+        raise RuntimeError("the gateway's GC probe did not answer SIGUSR1")
 
 
 def upstream_argv(port: int) -> list[str]:
@@ -93,48 +216,47 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wrk(url: str, connections: int, seconds: float, body_file: str) -> Run:
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(
-            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f'local f = io.open("{body_file}")\nwrk.body = f:read("*a")\nf:close()\n'
+@dataclass
+class Scripts:
+    """The Lua script and the body template on disk, and a run counter that tags every run's tokens."""
+
+    folder: Path
+    runs: int = 0
+
+    def __post_init__(self) -> None:
+        (self.folder / "bench.lua").write_text(_LUA)
+        (self.folder / "template.json").write_text(template())
+
+    def wrk(self, url: str, path: str, connections: int, seconds: float) -> Run:
+        self.runs += 1
+        script, body = self.folder / "bench.lua", self.folder / "template.json"
+        args = [f"{self.runs % 10_000:04d}", path, str(body), HIT_TOKEN]
+        duration = f"-d{max(1, round(seconds))}s"
+        cmd = ["wrk", "-t1", f"-c{connections}", duration, "-s", str(script), url, "--", *args]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        m = re.search(r"^BENCH (.*)$", out, re.M)
+        assert m, out
+        v = {k: float(x) for k, x in (kv.split("=") for kv in m.group(1).split())}
+        if v["status"]:
+            raise RuntimeError(f"wrk saw {v['status']:.0f} non-2xx responses:\n{out}")
+        errors = int(v["connect"] + v["read"] + v["write"] + v["timeout"])
+        ms = {k: v[f"{k}_us"] / 1e3 for k in ("p50", "p99", "p999", "max")}
+        return Run(
+            int(v["requests"]), v["duration_us"] / 1e6, ms["p50"], ms["p99"], ms["p999"], ms["max"], errors
         )
-    cmd = [
-        "wrk",
-        "-t1",
-        f"-c{connections}",
-        f"-d{max(1, round(seconds))}s",
-        "--latency",
-        "-s",
-        script.name,
-        url,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    os.unlink(script.name)
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    duration = float(re.search(r"requests in ([\d.]+)s", out).group(1))  # type: ignore[union-attr]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if errors:
-        raise RuntimeError(f"wrk saw {errors.group(1)} errors:\n{out}")
-    return Run(total, duration, _pct(out, "50%"), _pct(out, "99%"))
 
 
-def _pct(out: str, label: str) -> float:
-    m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)", out)
-    assert m, out
-    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
-    return float(m.group(1)) * scale
-
-
-def python_sequential(url: str, seconds: float) -> Run:
-    """Fallback when wrk is missing: one connection, one request at a time."""
+def python_sequential(url: str, path: str, seconds: float) -> Run:
+    """Fallback when wrk is missing: one connection, one request at a time, the same bodies."""
     lat: list[float] = []
+    tag = f"py{os.getpid() % 100:02d}"
     with httpx.Client() as client:
         end = time.monotonic() + seconds
         start = time.monotonic()
         while time.monotonic() < end:
+            headers, body = render(path, f"{tag}{time.monotonic_ns() % 10**12:012d}")
             t = time.perf_counter()
-            client.post(url, json=BODY).raise_for_status()
+            client.post(url, content=body, headers=headers).raise_for_status()
             lat.append((time.perf_counter() - t) * 1e3)
         took = time.monotonic() - start
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
@@ -142,95 +264,139 @@ def python_sequential(url: str, seconds: float) -> Run:
     return Run(len(lat), took, p50, p99)
 
 
+@dataclass
+class Bench:
+    scripts: Scripts | None  # None: no wrk, the Python client at 1 connection only
+    direct: str
+    through: str
+    gateway: Gateway
+    seconds: float
+    rounds: int
+    concurrency: int
+
+    def run(self, url: str, path: str, connections: int) -> Run:
+        via_gateway = url == self.through
+        if via_gateway:
+            self.gateway.gc_pauses()  # starts the probe's count afresh
+        cpu0 = self.gateway.cpu_seconds()
+        if self.scripts is None:
+            run = python_sequential(url, path, self.seconds)
+        else:
+            run = self.scripts.wrk(url, path, connections, self.seconds)
+        if via_gateway:
+            run.cpu_us_per_request = (self.gateway.cpu_seconds() - cpu0) / run.requests * 1e6
+            run.gc = self.gateway.gc_pauses()
+        return run
+
+    def path(self, path: str) -> PathResult:
+        result, before = PathResult(path), self.gateway.decisions()
+        for n in [1] if self.scripts is None else [1, self.concurrency]:
+            runs: dict[str, list[Run]] = {"direct": [], "gateway": []}
+            for _ in range(self.rounds):  # interleaved: a slow spell on the machine hits both sides
+                runs["direct"].append(self.run(self.direct, path, n))
+                runs["gateway"].append(self.run(self.through, path, n))
+            (result.sequential if n == 1 else result.concurrent).update(runs)
+        after = self.gateway.decisions()
+        result.decisions = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+        result.claims_so_far = after.get("new_least_loaded", 0.0)
+        result.rss_after_bytes, result.entries_after = self.gateway.rss_bytes(), self.gateway.entries()
+        return result
+
+
+_DESCRIPTIONS = {
+    "hit": "one conversation: every request an affinity hit",
+    "new": "every request a new conversation: distinct first user message, no session header",
+    "new-session": "every request a new x-session-id (session_key: no hashing), the hit body",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench_proxy", description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args(argv)
-    if shutil.which("wrk") is None:
+    args = _parse(argv)
+    have_wrk = shutil.which("wrk") is not None
+    if not have_wrk:
         print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
     up_port, gw_port = free_port(), free_port()
     tmp_dir = tempfile.TemporaryDirectory(prefix="bench-proxy-", ignore_cleanup_errors=True)
     with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateway before upstream
         up = children.enter_context(child(upstream_argv(up_port)))
         config = Path(tmp, "gw.yaml")
-        config.write_text(
-            json.dumps(
-                {
-                    "server": {"port": gw_port, "log_level": "warning"},
-                    "backends": [{"id": "up", "url": f"http://127.0.0.1:{up_port}", "models": ["bench"]}],
-                    "health": {"interval_s": 60},
-                }
-            )
-        )
-        gw = children.enter_context(child(python("-m", "gateway.cli", "serve", "--config", str(config))))
-        direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-        through = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+        config.write_text(json.dumps(_gateway_config(gw_port, up_port)))
+        gc_file = Path(tmp, "gc.json") if args.gc_probe else None
+        gw_proc = children.enter_context(child(_gateway_argv(config, gc_file)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
-        wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw)
-        body_file = Path(tmp, "body.json")
-        body_file.write_text(json.dumps(BODY))
-        _report(args, direct, through, gw.pid, str(body_file))
+        wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
+        gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
+        direct, through = (f"http://127.0.0.1:{p}/v1/chat/completions" for p in (up_port, gw_port))
+        scripts = Scripts(Path(tmp)) if have_wrk else None
+        doc = _run(Bench(scripts, direct, through, gw, args.seconds, args.rounds, args.concurrency), args)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2))
+        print(f"\nwrote {args.json}")
     return 0
 
 
-def _report(args: argparse.Namespace, direct: str, through: str, gw_pid: int, body_file: str) -> None:
-    have_wrk = shutil.which("wrk") is not None
-    secs, rounds = args.seconds, args.rounds
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_proxy", description=__doc__.splitlines()[0])
+    ap.add_argument("--paths", default="hit,new", help=f"comma-separated, in order, from {','.join(PATHS)}")
+    ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
+    args = ap.parse_args(argv)
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not args.paths or set(args.paths) - set(PATHS) or len(set(args.paths)) != len(args.paths):
+        ap.error(f"--paths: distinct names from {', '.join(PATHS)} (got {args.paths})")
+    if args.rounds < 1 or args.concurrency < 1:
+        ap.error("--rounds and --concurrency must be >= 1")
+    return args
+
+
+def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
+    serve = ("serve", "--config", str(config))
+    if gc_file is None:
+        return python("-m", "gateway.cli", *serve)
+    return python("-c", _PROBED, str(gc_file), *serve)
+
+
+def _gateway_config(gw_port: int, up_port: int) -> dict[str, Any]:
+    return {
+        "server": {"port": gw_port, "log_level": "warning"},
+        "backends": [{"id": "up", "url": f"http://127.0.0.1:{up_port}", "models": ["bench"]}],
+        "health": {"interval_s": 60},
+    }
+
+
+def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    sizes = {len(render(p, "0" * TOKEN_WIDTH)[1]) for p in PATHS}
+    assert len(sizes) == 1, f"bodies differ in size between paths: {sizes}"
+    probe = ", GC probe on" if args.gc_probe else ""
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
-    print("gateway: 1 uvicorn worker, affinity policy, in-memory state; all on 127.0.0.1")
-    print(f"{rounds} rounds of {secs:g} s each, direct and gateway interleaved; medians over rounds\n")
-
-    def sequential(url: str) -> Run:
-        return wrk(url, 1, secs, body_file) if have_wrk else python_sequential(url, secs)
-
-    if have_wrk:
-        wrk(through, 4, 2, body_file)  # warm connection pools and code paths
-    d1, g1 = _interleaved(rounds, lambda: sequential(direct), lambda: sequential(through))
-    print("1 concurrent request (sequential):")
-    print(_line("direct", d1, 3))
-    print(_line("gateway", g1, 3))
-    added = [g.p50_ms - d.p50_ms for d, g in zip(d1, g1, strict=True)]
-    added99 = [g.p99_ms - d.p99_ms for d, g in zip(d1, g1, strict=True)]
-    print(f"  added    p50 {statistics.median(added):.3f} ms  p99 {statistics.median(added99):.3f} ms")
-    if not have_wrk:
-        return
-    n = args.concurrency
-    cpu: list[float] = []
-
-    def through_measured() -> Run:
-        cpu0 = cpu_seconds(gw_pid)
-        run = wrk(through, n, secs, body_file)
-        cpu.append((cpu_seconds(gw_pid) - cpu0) / run.requests * 1e3)
-        return run
-
-    dn, gn = _interleaved(rounds, lambda: wrk(direct, n, secs, body_file), through_measured)
-    print(f"\n{n} concurrent requests:")
-    print(_line("direct", dn, 2))
-    print(_line("gateway", gn, 2))
-    per_round = ", ".join(f"{c:.3f}" for c in cpu)
-    print(f"  gateway CPU per request {statistics.median(cpu):.3f} ms (rounds: {per_round})")
-
-
-def _line(label: str, runs: list[Run], digits: int) -> str:
-    p50, p99, rps = _med(runs, "p50_ms"), _med(runs, "p99_ms"), _med(runs, "rps")
-    return f"  {label:<8} {rps:>8,.0f} req/s  p50 {p50:.{digits}f} ms  p99 {p99:.{digits}f} ms"
-
-
-def _interleaved(
-    rounds: int, first: Callable[[], Run], second: Callable[[], Run]
-) -> tuple[list[Run], list[Run]]:
-    a: list[Run] = []
-    b: list[Run] = []
-    for _ in range(rounds):
-        a.append(first())
-        b.append(second())
-    return a, b
-
-
-def _med(runs: list[Run], attr: str) -> float:
-    return statistics.median(float(getattr(r, attr)) for r in runs)
+    print(f"gateway: 1 uvicorn worker, affinity policy, in-memory state{probe}; all on 127.0.0.1")
+    print(
+        f"request body: {min(sizes)} bytes on every path; {args.rounds} rounds of {args.seconds:g} s a run;"
+    )
+    print("direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy.")
+    rss_start = bench.gateway.rss_bytes()
+    if bench.scripts is not None:
+        bench.scripts.wrk(bench.through, "hit", 4, min(2.0, args.seconds))  # warm pools and code paths
+    results: list[PathResult] = []
+    for path in args.paths:
+        print(f"\n[{path}] {_DESCRIPTIONS[path]}")
+        results.append(bench.path(path))
+        print(path_lines(results[-1], args.concurrency))
+    print("\n" + table(results, rss_start, args.concurrency))
+    doc: dict[str, Any] = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "wrk": bench.scripts is not None,
+        "body_bytes": min(sizes),
+        "gateway_rss_start_bytes": rss_start,
+        "paths": {r.path: {**asdict(r), "medians": medians(r)} for r in results},
+    }
+    doc["targets"], lines = targets(doc["paths"])
+    print("\n".join(lines))
+    return doc
 
 
 if __name__ == "__main__":
