@@ -17,26 +17,19 @@ _SEP = b"\x1f"  # unit separator between fields; lengths are hashed too, so no t
 
 
 def session_key(model: str, session_id: str) -> str:
-    h = xxhash.xxh3_128()
-    _field(h, b"session")
-    _field(h, model.encode())
-    _field(h, session_id.encode())
-    return h.hexdigest()
+    return _digest([b"session", model.encode(), session_id.encode()])
 
 
 def chat_key(body: Mapping[str, Any]) -> str:
     """Key of a chat-completions body. ``body`` must already be validated (model str, messages list)."""
-    h = xxhash.xxh3_128()
-    _field(h, b"chat")
-    _field(h, str(body["model"]).encode())
+    fields = [b"chat", str(body["model"]).encode()]
     tools = body.get("tools")
     if tools:
-        _field(h, json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
+        fields.append(json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
     for msg in head_messages(body["messages"]):
-        _field(h, str(msg.get("role", "")).encode())
-        for part in canonical_parts(msg.get("content")):
-            _field(h, part)
-    return h.hexdigest()
+        fields.append(str(msg.get("role", "")).encode())
+        fields.extend(canonical_parts(msg.get("content")))
+    return _digest(fields)
 
 
 def completion_key(model: str, prompt: Any, chars: int) -> str:
@@ -45,23 +38,21 @@ def completion_key(model: str, prompt: Any, chars: int) -> str:
     Prompts shorter than the block are keyed whole, so a short first turn and its longer follow-up can key
     differently; short prompts are cheap to prefill, so little is lost.
     """
-    h = xxhash.xxh3_128()
-    _field(h, b"completion")
-    _field(h, model.encode())
+    fields = [b"completion", model.encode()]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: key by its first prompt
     if isinstance(prompt, str):
-        _field(h, prompt[:chars].encode())
+        fields.append(prompt[:chars].encode())
     elif isinstance(prompt, list):
-        _field(h, ",".join(str(t) for t in prompt[: max(1, chars // 4)]).encode())
-    return h.hexdigest()
+        fields.append(",".join(str(t) for t in prompt[: max(1, chars // 4)]).encode())
+    return _digest(fields)
 
 
 def head_messages(messages: list[Any]) -> list[Mapping[str, Any]]:
     """The leading system/developer messages and the first user message (everything up to it)."""
     head: list[Mapping[str, Any]] = []
     for msg in messages:
-        if not isinstance(msg, Mapping):
+        if not isinstance(msg, dict):  # parsed JSON: dict, and much cheaper to test than an ABC
             continue
         head.append(msg)
         if msg.get("role") == "user":
@@ -79,7 +70,7 @@ def canonical_parts(content: Any) -> list[bytes]:
         return [b"j" + json.dumps(content, sort_keys=True).encode()]
     parts: list[bytes] = []
     for part in content:
-        if not isinstance(part, Mapping):
+        if not isinstance(part, dict):
             parts.append(b"j" + json.dumps(part, sort_keys=True).encode())
             continue
         kind = part.get("type")
@@ -93,14 +84,17 @@ def canonical_parts(content: Any) -> list[bytes]:
 
 
 def _image_identity(image_url: Any) -> bytes:
-    url = image_url.get("url", "") if isinstance(image_url, Mapping) else str(image_url or "")
+    url = image_url.get("url", "") if isinstance(image_url, dict) else str(image_url or "")
     if url.startswith("data:"):
         # Inline images can be megabytes: hash the payload, don't keep it around.
         return b"d" + xxhash.xxh3_128_digest(url.encode())
     return b"u" + url.encode()
 
 
-def _field(h: Any, data: bytes) -> None:
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(data)
-    h.update(_SEP)
+def _digest(fields: list[bytes]) -> str:
+    """xxh3-128 of the fields, each framed as its 8-byte length, the bytes, a separator: one call into the
+    hash over one buffer (the same digest as feeding the framed fields one by one)."""
+    framed: list[bytes] = []
+    for data in fields:
+        framed += (len(data).to_bytes(8, "little"), data, _SEP)
+    return xxhash.xxh3_128_hexdigest(b"".join(framed))

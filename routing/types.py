@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class BackendState(StrEnum):
@@ -41,9 +42,12 @@ class PinAction(StrEnum):
     MOVE = "move"  # overwrite the pin (re-pin)
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One backend serving the requested model, as seen at decision time."""
+class Candidate(NamedTuple):
+    """One backend serving the requested model, as seen at decision time.
+
+    A NamedTuple rather than a frozen dataclass: several are built for every request, and a frozen
+    dataclass's ``__init__`` costs one ``object.__setattr__`` call per field. Immutable all the same.
+    """
 
     id: str
     state: BackendState

@@ -121,3 +121,24 @@ def test_rejected_before_routing(cluster: ClusterFactory) -> None:
     assert attempts(c) == {}
     assert requests(c) == {("", "rejected"): 2}
     assert c.engines["a"].requests == []
+
+
+def test_latency_histograms_bucket_like_prometheus(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])
+    for _ in range(3):
+        httpx.post(c.url + "/v1/chat/completions", json=CHAT)
+    c.wait_idle()
+    series = scrape(c)
+    a = (("backend", "a"),)
+    assert series[("warmroute_request_duration_seconds_count", a)] == 3
+    assert series[("warmroute_request_duration_seconds_bucket", (("backend", "a"), ("le", "+Inf")))] == 3
+    buckets = [
+        value
+        for (name, labels), value in series.items()
+        if name == "warmroute_request_duration_seconds_bucket" and dict(labels)["backend"] == "a"
+    ]
+    assert buckets == sorted(buckets) and len(buckets) == 16  # cumulative, 15 bounds and +Inf
+    assert 0 < series[("warmroute_request_duration_seconds_sum", a)] < 3 * 5
+    assert series[("warmroute_upstream_first_byte_seconds_count", a)] == 3
+    # Every reason is exported, zero or not, so dashboards need no "absent()" guards.
+    assert series[("warmroute_routing_decisions_total", (("reason", "spill_overload"),))] == 0

@@ -115,3 +115,27 @@ def test_completion_key_uses_the_leading_block() -> None:
 def test_key_is_a_32_char_hex_digest() -> None:
     k = chat_key(chat({"role": "user", "content": "x"}))
     assert len(k) == 32 and int(k, 16) >= 0
+
+
+def test_keys_are_stable_across_releases() -> None:
+    # Pins in a shared Redis outlive a rolling upgrade: a changed key function would split conversations
+    # between old and new replicas. These digests were computed by the release before this test.
+    body = {
+        "model": "m",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [
+            {"role": "system", "content": "S"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "hi"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            },
+            {"role": "assistant", "content": "x"},
+        ],
+    }
+    assert chat_key(body) == "1e94ff85459859735399502c294fca00"
+    assert session_key("m", "sid-1") == "cbc20790ac828bc957486435accc0d36"
+    assert completion_key("m", "hello world " * 100, 512) == "32f06d8a20a5d65b2c8f45a2b64b47dc"
+    assert completion_key("m", [1, 2, 3], 512) == "3d749402631bcbb34cc875a894e6e382"
