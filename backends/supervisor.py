@@ -117,6 +117,10 @@ class Supervisor:
         """The last ``log_lines`` output lines, across restarts, with start/exit notes between them."""
         return tuple(self._lines)
 
+    def output(self) -> tuple[str, ...]:
+        """The last ``EXIT_LINES`` lines the current (or last) process printed itself."""
+        return tuple(self._own)
+
     async def start(self) -> None:
         """Start the command unless it runs already; returns once spawned (or once its failure is told)."""
         async with self._lock:
