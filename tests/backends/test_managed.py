@@ -18,7 +18,15 @@ from backends.canary import CanaryResult
 from backends.events import Command, Operator, ProbeFailed, ProbeOk
 from backends.lifecycle import Lifecycle, LifecyclePolicy
 from backends.managed import BackendController, policy_for
-from config.settings import BackendConfig, CanaryConfig, HealthConfig, ManagedConfig, RestartConfig, Settings
+from config.settings import (
+    BackendConfig,
+    BreakerConfig,
+    CanaryConfig,
+    HealthConfig,
+    ManagedConfig,
+    RestartConfig,
+    Settings,
+)
 from routing.types import BackendState
 from tools import procs
 
@@ -288,3 +296,39 @@ async def test_from_settings_uses_the_backends_canary() -> None:
         assert ctl.lifecycle.state is S.READY
         assert ctl.status()["canary"]["reason"] == "no canary checks configured"
         await ctl.aclose()
+
+
+@pytest.mark.parametrize(
+    ("section", "fields", "message"),
+    [
+        (ManagedConfig, {"command": ""}, "must be a non-empty string"),
+        (ManagedConfig, {"command": []}, "must be a non-empty string"),
+        (ManagedConfig, {"command": ["vllm", ""]}, "must be a non-empty string"),
+        (ManagedConfig, {"command": "x", "stop_command": " "}, "must be a non-empty string"),
+        (
+            ManagedConfig,
+            {"command": "docker start e", "detached": True},
+            "detached engines need a stop_command",
+        ),
+        (RestartConfig, {"backoff_initial_s": 5, "backoff_max_s": 1}, "backoff_initial_s must not exceed"),
+        (BreakerConfig, {"open_s": 5, "open_max_s": 1}, "open_s must not exceed open_max_s"),
+        (CanaryConfig, {"needle_tokens": [10]}, "needle_tokens must each be >= 64"),
+    ],
+)
+def test_bad_lifecycle_settings_are_rejected(
+    section: type[Any], fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        section(**fields)
+
+
+def test_settings_carry_the_new_sections_with_their_defaults() -> None:
+    settings = Settings(
+        backends=[{"id": "a", "url": "http://a", "models": ["m"], "managed": {"command": ["vllm", "serve"]}}]
+    )
+    (backend,) = settings.backends
+    assert backend.managed == ManagedConfig(command=("vllm", "serve"))
+    assert (backend.canary, settings.canary, settings.breaker) == (None, CanaryConfig(), BreakerConfig())
+    assert backend.managed.restart == RestartConfig(
+        grace_s=10, backoff_initial_s=1, backoff_max_s=60, max_restarts=5, window_s=600
+    )
