@@ -1,41 +1,13 @@
-"""Engine simulators as real processes, for the canary, supervisor and managed-engine tests."""
+"""Fixtures for the backends tests (helpers live in simprocs.py: import those from there)."""
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
-
-from tools import procs
-
-SIM_START_TIMEOUT_S = 45.0  # a Python process importing Starlette on a busy 2-core machine
-
-SimFactory = Callable[..., list[str]]
-
-
-def sim_argv(port: int, *args: str) -> list[str]:
-    """``python -m backends.sim`` on ``port``, instant (time scale 0), quiet, plus ``args``."""
-    base = ("-m", "backends.sim", "--port", str(port), "--time-scale", "0", "--log-level", "warning")
-    return procs.python(*base, *args)
+from simprocs import SimFactory, simulators
 
 
 @pytest.fixture
 def sims() -> Iterator[SimFactory]:
-    """``sims([], ["--repeat-token"])`` starts one simulator per argument list, all at once, and returns
-    their URLs once each answers /health; all are stopped after the test."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(*variants: Sequence[str]) -> list[str]:
-        urls = []
-        for args in variants:
-            port = procs.free_port()
-            started.append(procs.spawn(sim_argv(port, *args), group=True, die_with_parent=True))
-            urls.append(f"http://{procs.LOCALHOST}:{port}")
-        for url, process in zip(urls, started[-len(urls) :], strict=True):
-            procs.wait_http(url + "/health", procs.ok, timeout_s=SIM_START_TIMEOUT_S, process=process)
-        return urls
-
-    yield start
-    for process in started:
-        procs.stop(process, group=True)
+    yield from simulators()

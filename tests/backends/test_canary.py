@@ -11,11 +11,10 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from simprocs import SimFactory
 
 from backends.canary import Canary, CanaryResult, Check, checks_from_config, needle_text, repeats_one_token
 from config.settings import BackendConfig, CanaryConfig
-
-from conftest import SimFactory
 
 pytestmark = pytest.mark.anyio
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from simprocs import SIM_START_TIMEOUT_S, sim_argv
 
 from backends.breaker import BreakerPolicy, CircuitBreaker
 from backends.canary import CanaryResult
@@ -29,8 +30,6 @@ from config.settings import (
 )
 from routing.types import BackendState
 from tools import procs
-
-from conftest import SIM_START_TIMEOUT_S, sim_argv
 
 pytestmark = pytest.mark.anyio
 S = BackendState

@@ -16,11 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
+from simprocs import SIM_START_TIMEOUT_S, sim_argv
 
 from backends.supervisor import EXIT_LINES, MAX_LINE_CHARS, ExitInfo, Supervisor, group_alive
 from tools import procs
-
-from conftest import SIM_START_TIMEOUT_S, sim_argv
 
 pytestmark = pytest.mark.anyio
 WITHIN_S = 20.0
