@@ -7,6 +7,7 @@ Settings are loaded once (``load_settings``) and passed down; nothing reads them
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,138 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+DEFAULT_CONSISTENCY_PROMPT = "List the first five planets of the solar system, in order, on one line."
+
+#: An engine command: a string runs through ``/bin/sh -c``; a list is an argv run as it is.
+Command = str | tuple[str, ...]
+
+
+def _check_command(v: Command | None) -> Command | None:
+    if v is not None and not (v.strip() if isinstance(v, str) else v and all(v)):
+        raise ValueError("must be a non-empty string (run by /bin/sh -c) or a non-empty list (argv)")
+    return v
+
+
+class CanaryCheckConfig(_Section):
+    """One greedy question asked before a backend takes traffic (and after every outage).
+
+    Ask with ``messages`` (``/v1/chat/completions``) or ``prompt`` (``/v1/completions``). With ``expect``
+    the answer must contain it (case-insensitive); with ``expect_regex`` it must match (``re.search``).
+    With neither it is a consistency check: asked twice, both answers must be equal, non-empty and not
+    one token repeated.
+    """
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt: str | None = None
+    expect: str | None = Field(default=None, min_length=1)
+    expect_regex: str | None = Field(default=None, min_length=1)
+    max_tokens: int = Field(default=16, ge=1, le=4096)
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Deadline of this check; default canary.timeout_s"
+    )
+
+    @model_validator(mode="after")
+    def _one_question_one_expectation(self) -> CanaryCheckConfig:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages or prompt")
+        if self.expect is not None and self.expect_regex is not None:
+            raise ValueError("give at most one of expect or expect_regex")
+        if self.expect_regex is not None:
+            try:
+                re.compile(self.expect_regex)
+            except re.error as exc:
+                raise ValueError(f"expect_regex does not compile: {exc}") from exc
+        return self
+
+
+class CanaryConfig(_Section):
+    """Admission checks. The top-level ``canary:`` is the default; a backend's own ``canary:`` replaces it."""
+
+    enabled: bool = True
+    consistency: bool = Field(default=True, description="Run the default consistency check first")
+    consistency_prompt: str = Field(default=DEFAULT_CONSISTENCY_PROMPT, min_length=1)
+    max_tokens: int = Field(default=16, ge=2, le=4096, description="Of the default consistency check")
+    checks: tuple[CanaryCheckConfig, ...] = Field(default=(), description="Knowledge questions, in order")
+    needle_tokens: tuple[int, ...] = Field(
+        default=(), description="Long-context needle checks at about these prompt lengths (tokens)"
+    )
+    timeout_s: float = Field(default=30.0, gt=0, description="Deadline of each check")
+    needle_timeout_s: float = Field(default=300.0, gt=0, description="Deadline of each needle check")
+    retry_s: float = Field(default=60.0, ge=0, description="After a failed canary, try again this much later")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict, description="Merged into every canary request (e.g. chat_template_kwargs)"
+    )
+
+    @model_validator(mode="after")
+    def _valid_checks(self) -> CanaryConfig:
+        names = [c.name for c in self.checks] + [f"needle-{n}" for n in self.needle_tokens]
+        if self.consistency:
+            names.append("consistency")
+        if len(names) != len(set(names)):
+            raise ValueError(f"canary check names must be unique: {names}")
+        if any(n < 64 for n in self.needle_tokens):
+            raise ValueError("needle_tokens must each be >= 64")
+        return self
+
+
+class RestartConfig(_Section):
+    """When a managed engine is restarted, and when the gateway stops trying."""
+
+    grace_s: float = Field(default=10.0, ge=0, description="An outage must last this long before a restart")
+    backoff_initial_s: float = Field(default=1.0, ge=0, description="Wait before the 2nd restart in a window")
+    backoff_max_s: float = Field(default=60.0, ge=0, description="Doubling stops here")
+    max_restarts: int = Field(default=5, ge=0, description="Restarts allowed per window; then give up")
+    window_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RestartConfig:
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError("backoff_initial_s must not exceed backoff_max_s")
+        return self
+
+
+class ManagedConfig(_Section):
+    """An engine the gateway starts as a child process (in a process group of its own) and looks after."""
+
+    command: Command = Field(description="`vllm serve ...` (a string: /bin/sh -c) or an argv list")
+    stop_command: Command | None = Field(
+        default=None, description="Run to stop it; default SIGTERM to its process group, SIGKILL later"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Added to the gateway's environment")
+    cwd: str | None = None
+    start_timeout_s: float = Field(default=600.0, gt=0, description="From start to a passing health probe")
+    stop_timeout_s: float = Field(default=30.0, gt=0, description="From stop request to SIGKILL")
+    detached: bool = Field(
+        default=False,
+        description="The command returns once the engine runs elsewhere (docker start): exit 0 is no outage",
+    )
+    log_lines: int = Field(default=200, ge=1, le=100_000, description="Last output lines kept")
+    restart: RestartConfig = RestartConfig()
+
+    _command = field_validator("command", "stop_command")(_check_command)
+
+    @model_validator(mode="after")
+    def _detached_needs_stop(self) -> ManagedConfig:
+        if self.detached and self.stop_command is None:
+            raise ValueError("detached engines need a stop_command (the gateway holds no process to signal)")
+        return self
+
+
+class BreakerConfig(_Section):
+    """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic."""
+
+    failure_threshold: int = Field(default=5, ge=1, description="Consecutive failures that open it")
+    open_s: float = Field(default=10.0, gt=0, description="First open period; then one trial request")
+    open_max_s: float = Field(default=300.0, gt=0, description="A failed trial doubles the period up to this")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BreakerConfig:
+        if self.open_s > self.open_max_s:
+            raise ValueError("open_s must not exceed open_max_s")
+        return self
+
+
 class BackendConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
@@ -42,6 +175,8 @@ class BackendConfig(_Section):
     weight: float = Field(default=1.0, gt=0)
     dialect: Dialect = Dialect.OPENAI
     api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
+    managed: ManagedConfig | None = Field(default=None, description="Started and restarted by the gateway")
+    canary: CanaryConfig | None = Field(default=None, description="Replaces the top-level canary section")
 
     @field_validator("url")
     @classmethod
@@ -184,6 +319,8 @@ class Settings(BaseSettings):
     upstream: UpstreamConfig = UpstreamConfig()
     server: ServerConfig = ServerConfig()
     redis: RedisConfig = RedisConfig()
+    canary: CanaryConfig = CanaryConfig()
+    breaker: BreakerConfig = BreakerConfig()
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Settings:

@@ -1,0 +1,107 @@
+"""Circuit breaker for one backend, fed by the outcome of real requests. Pure: no I/O, time passed in.
+
+CLOSED: every request may go; ``failure_threshold`` consecutive failures open it.
+OPEN: nothing goes for the open period (``open_s``, doubled by every failed trial up to ``open_max_s``).
+HALF_OPEN: the period is over; ``begin`` lets ONE trial request through. Its success closes the breaker
+(and the period returns to ``open_s``), its failure opens it again for twice as long. A trial that never
+reports back frees its slot after one open period, so a lost result cannot wedge the breaker half-open.
+
+What counts as a failure is the caller's call: connect errors, 5xx and timeouts, not 4xx (the engine
+answered). Results that arrive while OPEN came from requests sent before it opened: they decide nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class CircuitState(StrEnum):
+    """Values are metric labels and log fields: keep them stable."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    failure_threshold: int = 5
+    open_s: float = 10.0
+    open_max_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.open_s <= 0 or self.open_max_s < self.open_s:
+            raise ValueError("need failure_threshold >= 1 and 0 < open_s <= open_max_s")
+
+
+class CircuitBreaker:
+    __slots__ = ("_failures", "_open_for", "_opened_at", "_trial_at", "policy")
+
+    def __init__(self, policy: BreakerPolicy | None = None) -> None:
+        self.policy = policy or BreakerPolicy()
+        self.reset()
+
+    def reset(self) -> None:
+        """Closed, no failures counted, the open period back to ``open_s``."""
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._open_for = self.policy.open_s
+        self._trial_at: float | None = None
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self._failures
+
+    @property
+    def open_for_s(self) -> float:
+        """Length of the current (or next) open period."""
+        return self._open_for
+
+    def retry_at(self) -> float | None:
+        """When the current open period ends (HALF_OPEN from then on); None while closed."""
+        return None if self._opened_at is None else self._opened_at + self._open_for
+
+    def state(self, now: float) -> CircuitState:
+        if self._opened_at is None:
+            return CircuitState.CLOSED
+        if now < self._opened_at + self._open_for:
+            return CircuitState.OPEN
+        return CircuitState.HALF_OPEN
+
+    def allows(self, now: float) -> bool:
+        """May a request be sent now? A query: it takes nothing (see ``begin``)."""
+        state = self.state(now)
+        if state is CircuitState.CLOSED:
+            return True
+        if state is CircuitState.OPEN:
+            return False
+        return self._trial_at is None or now >= self._trial_at + self._open_for
+
+    def begin(self, now: float) -> bool:
+        """``allows``, and when half-open take the single trial slot. Call right before sending."""
+        if not self.allows(now):
+            return False
+        if self.state(now) is CircuitState.HALF_OPEN:
+            self._trial_at = now
+        return True
+
+    def record(self, success: bool, now: float) -> CircuitState:
+        """One request's outcome; returns the state after it (compare with ``state(now)`` before)."""
+        state = self.state(now)
+        if state is CircuitState.OPEN:
+            return state
+        if success:
+            self.reset()
+        elif state is CircuitState.HALF_OPEN:
+            self._open(now, min(self._open_for * 2, self.policy.open_max_s))
+        else:
+            self._failures += 1
+            if self._failures >= self.policy.failure_threshold:
+                self._open(now, self.policy.open_s)
+        return self.state(now)
+
+    def _open(self, now: float, period: float) -> None:
+        self._opened_at = now
+        self._open_for = period
+        self._trial_at = None
