@@ -8,10 +8,21 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
-from hostile_engine import HostileEngine, Script, head_then_silence, ok_json, response, steps
+from hostile_engine import (
+    HostileEngine,
+    Script,
+    head_then_silence,
+    huge_headers,
+    ok_json,
+    response,
+    steps,
+    trickle,
+)
 
 from conftest import HostileGatewayFactory
 from upstreams import FakeEngine
@@ -170,3 +181,54 @@ def test_a_well_behaved_engine_is_unaffected(hostile_gateway: HostileGatewayFact
     with engine_.serve() as url:
         c = hostile_gateway(engines=[], raw_engines={"ok": url})
         assert httpx.post(c.url + "/v1/chat/completions", json=CHAT).json() == {"id": "x", "choices": []}
+
+
+def test_a_huge_response_head_is_cut_at_the_limit_and_the_gateway_stays_responsive(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    # Defect 4 (engine side): 64 MiB of response header stalled the loop 2.2 s and grew RSS.
+    engine_ = engine({"/v1/chat/completions": huge_headers(64 << 20)})
+    with engine_.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"big": url}, health={"interval_s": 60})
+        done: list[httpx.Response] = []
+        worker = threading.Thread(
+            target=lambda: done.append(httpx.post(c.url + "/v1/chat/completions", json=CHAT))
+        )
+        t = time.monotonic()
+        worker.start()
+        while worker.is_alive() and time.monotonic() - t < 10:
+            ping = time.monotonic()
+            assert httpx.get(c.url + "/healthz", timeout=2).status_code == 200
+            assert time.monotonic() - ping < 0.5  # the event loop is never stalled for long
+        worker.join(10)
+        assert time.monotonic() - t < 5
+        r = done[0]
+        assert (r.status_code, r.json()["error"]["message"]) == (502, "backend big failed before answering")
+
+
+def test_a_trickling_health_endpoint_fails_its_probe_and_delays_no_other_backend(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    # Defect 5: one slow /health stalled every probe; the trickling engine stayed READY.
+    slow = HostileEngine({"/health": trickle(response(200, b"ok" * 20), every_s=0.3)})
+    sick = FakeEngine("ok", healthy=False)
+    with slow.serve() as url:
+        c = hostile_gateway(
+            engines=[sick],
+            raw_engines={"slow": url},
+            health={"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+        )
+        backends = c.gateway.registry.backends
+        until(lambda: backends["slow"].state.value == "down", 5)
+        sick.healthy = True  # a restarted engine answering 200 is READY again within a probe interval or two
+        t = time.monotonic()
+        until(lambda: backends["ok"].state.value == "ready", 3)
+        assert time.monotonic() - t < 1.5
+        assert backends["slow"].state.value == "down"
+
+
+def until(check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.02)
