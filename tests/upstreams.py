@@ -27,6 +27,13 @@ from starlette.types import ASGIApp
 def serve(app: ASGIApp, port: int = 0) -> Iterator[tuple[str, uvicorn.Server]]:
     """Run ``app`` under uvicorn in a daemon thread; yields (base_url, server)."""
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    with served(config) as (bound, server):
+        yield f"http://127.0.0.1:{bound}", server
+
+
+@contextlib.contextmanager
+def served(config: uvicorn.Config) -> Iterator[tuple[int, uvicorn.Server]]:
+    """Run ``config`` in a daemon thread; yields (port, server)."""
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -35,9 +42,9 @@ def serve(app: ASGIApp, port: int = 0) -> Iterator[tuple[str, uvicorn.Server]]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("test server did not start")
         time.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
+    port: int = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{bound}", server
+        yield port, server
     finally:
         server.should_exit = True
         thread.join(10)

@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 import uvicorn
-from hostile_net import served
 
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
 from gateway.server import uvicorn_config
 
-from upstreams import FakeEngine, serve
+from upstreams import FakeEngine, serve, served
 
 #: Small enough that a test waiting for a deadline takes a second, not ten.
 FAST = {"header_timeout_s": 0.5}

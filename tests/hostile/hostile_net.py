@@ -7,16 +7,11 @@ peer sent FIN or a reset.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import uvicorn
 
 
 @dataclass
@@ -154,22 +149,3 @@ def post(path: str, body: bytes, *, host: str = "x") -> bytes:
     """Bytes of a POST with a correct Content-Length."""
     head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
     return head.encode() + b"content-length: %d\r\n\r\n" % len(body) + body
-
-
-@contextlib.contextmanager
-def served(config: uvicorn.Config) -> Iterator[tuple[int, uvicorn.Server]]:
-    """Run ``config`` in a daemon thread; yields (port, server). Like tests/upstreams.serve, for a Config."""
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
-        time.sleep(0.01)
-    port: int = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield port, server
-    finally:
-        server.should_exit = True
-        thread.join(10)
