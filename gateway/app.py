@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import RoutingConfig, Settings, load_settings
+from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import Metrics
@@ -67,8 +68,15 @@ class Gateway:
             max_response_header_bytes=settings.upstream.max_response_header_bytes,
             max_response_headers=settings.upstream.max_response_headers,
         )
+        self.budgets = BudgetPolicy(settings.thinking, settings.models)
         self.proxy = Proxy(
-            settings.timeouts, self.registry, self.store, self.health, self.metrics, self.transport
+            settings.timeouts,
+            self.registry,
+            self.store,
+            self.health,
+            self.metrics,
+            self.transport,
+            steps=[BudgetStep(self.budgets)],
         )
         self.created = int(time.time())
 
@@ -140,7 +148,7 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
     max_body = settings.limits.max_body_bytes
 
     def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
-        return cls(gw.proxy, settings.routing, max_body, policy)
+        return cls(gw.proxy, settings.routing, max_body, policy, gw.budgets)
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)
