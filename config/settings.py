@@ -262,6 +262,10 @@ class ThinkingConfig(_Section):
     budget_header: str = Field(default="x-thinking-budget", min_length=1)
     effort_header: str = Field(default="x-reasoning-effort", min_length=1)
     early_stop: str = Field(default=DEFAULT_EARLY_STOP, min_length=1, description="Ends a capped thought")
+    open_marker: str = Field(default="<think>\n", description="Opens the thought in a continued turn")
+    close_marker: str = Field(
+        default="\n</think>\n\n", description="Closes a finished thought before a continued answer"
+    )
 
 
 class RoutingConfig(_Section):

@@ -22,6 +22,7 @@ from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import RoutingConfig, Settings, load_settings
 from gateway.budgets import BudgetPolicy, BudgetStep
+from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import Metrics
@@ -76,7 +77,10 @@ class Gateway:
             self.health,
             self.metrics,
             self.transport,
-            steps=[BudgetStep(self.budgets)],
+            steps=[BudgetStep(self.budgets, self.metrics)],
+        )
+        self.proxy.continuation = Continuation(
+            self.transport, settings.timeouts, settings.thinking, self.metrics
         )
         self.created = int(time.time())
 

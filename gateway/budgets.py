@@ -24,8 +24,10 @@ from typing import Any
 from backends.registry import Backend
 from config.settings import BudgetEnforcement, Dialect, Effort, ModelConfig, ThinkingConfig
 from gateway.context import Draft, RequestContext
+from gateway.continuation import shape_phase1
 from gateway.dialects import DIALECTS
 from gateway.errors import BadRequest
+from gateway.metrics import Metrics
 
 BUDGET_FIELD = "thinking_budget"
 EFFORT_FIELD = "reasoning_effort"
@@ -93,8 +95,9 @@ class BudgetStep:
     previous dialect's fields.
     """
 
-    def __init__(self, policy: BudgetPolicy) -> None:
+    def __init__(self, policy: BudgetPolicy, metrics: Metrics) -> None:
         self.policy = policy
+        self.metrics = metrics
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         thinking = ctx.thinking
@@ -105,7 +108,13 @@ class BudgetStep:
             return
         dialect = backend.cfg.dialect
         thinking.gateway_enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
-        DIALECTS[dialect].shape(draft.edit(), thinking, native=not thinking.gateway_enforced)
+        shaped = draft.edit()
+        DIALECTS[dialect].shape(shaped, thinking, native=not thinking.gateway_enforced)
+        if thinking.gateway_enforced:
+            shape_phase1(shaped, thinking)
+        self.metrics.budget_attempt(
+            "off" if thinking.off else "gateway" if thinking.gateway_enforced else "native"
+        )
 
 
 def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinking) -> bool:

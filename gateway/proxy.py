@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Send
 
@@ -50,6 +51,9 @@ from gateway.transport import (
 )
 from routing.types import BackendState, Decision, PinAction, RouteRequest
 
+if TYPE_CHECKING:
+    from gateway.continuation import Continuation
+
 log = logging.getLogger("warmroute.proxy")
 
 Attempt = TransportResponse | UpstreamError
@@ -73,6 +77,7 @@ class Proxy:
         self.timeouts = timeouts
         self.transport = transport
         self.steps = tuple(steps)
+        self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
@@ -85,6 +90,11 @@ class Proxy:
                 ctx.outcome = _outcome_of(err)
                 ctx.finishing = ctx.responded = True
                 await send_error(send, err)
+                return
+            thinking = ctx.thinking
+            if thinking is not None and thinking.gateway_enforced and upstream.status == 200:
+                assert self.continuation is not None  # two phases, one response: gateway/continuation.py
+                await self.continuation.relay(ctx, upstream, send)
                 return
             await self._relay(ctx, upstream, send)
         except asyncio.CancelledError:
