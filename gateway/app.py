@@ -27,6 +27,7 @@ from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthroug
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
+from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.upstream import UpstreamPool
@@ -82,6 +83,7 @@ class Gateway:
         self.proxy.continuation = Continuation(
             self.transport, settings.timeouts, settings.thinking, self.metrics
         )
+        self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -61,6 +61,9 @@ class BudgetPolicy:
     def model(self, name: str | None) -> ModelConfig:
         return self.models.get(name or "", _DEFAULT_MODEL)
 
+    def thinks(self, name: str | None) -> bool:
+        return self.model(name).thinks
+
     def resolve(
         self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], model: str | None
     ) -> Thinking | None:

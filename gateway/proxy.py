@@ -53,6 +53,7 @@ from routing.types import BackendState, Decision, PinAction, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.continuation import Continuation
+    from gateway.reasoning import ReasoningRelay
 
 log = logging.getLogger("warmroute.proxy")
 
@@ -78,6 +79,7 @@ class Proxy:
         self.transport = transport
         self.steps = tuple(steps)
         self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
+        self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
@@ -222,12 +224,15 @@ class Proxy:
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
         sse, head = response_head(upstream, backend, ctx.reason)
+        chunks = upstream.aiter_raw()
+        if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
+            head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
         ctx.responded = True
         await send(head)
         loop = asyncio.get_running_loop()
         watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
                 watch.sending = True
