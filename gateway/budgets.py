@@ -64,6 +64,11 @@ class BudgetPolicy:
     def thinks(self, name: str | None) -> bool:
         return self.model(name).thinks
 
+    def refuse(self, body: dict[str, Any]) -> None:
+        """/v1/completions has no chat template or reasoning parser: asking is an error, not a no-op."""
+        if body.get(BUDGET_FIELD) is not None:
+            raise BadRequest(f"'{BUDGET_FIELD}' applies to /v1/chat/completions only", param=BUDGET_FIELD)
+
     def resolve(
         self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], model: str | None
     ) -> Thinking | None:

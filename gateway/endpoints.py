@@ -99,6 +99,8 @@ class Completions(Endpoint):
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
         body = parse_object(raw)
         model = validate_completion(body)
+        if self.budgets is not None:
+            self.budgets.refuse(body)
         key = self.session(scope, model) or completion_key(
             model, body["prompt"], self.routing.completion_key_chars
         )

@@ -72,6 +72,9 @@ class ReasoningRelay:
 
     async def _whole(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         raw = b"".join([c async for c in chunks])
+        if b"reasoning" not in raw:
+            yield raw  # nothing to rewrite: the engine's own bytes
+            return
         try:
             doc = json.loads(raw)
             for choice in doc["choices"]:

@@ -213,3 +213,23 @@ def test_retry_on_another_dialect_starts_from_the_original_body(gateway: Callabl
     assert [json.loads(b) for b in fakes["a"].raw] == [vllm]
     assert json.loads(fakes["b"].raw[-1]) == sglang
     assert all(json.loads(b) == sglang for b in fakes["b"].raw)
+
+
+def test_completions_refuse_a_thinking_budget(gateway: Callable[..., Gw]) -> None:
+    url, fakes = gateway({"a": "vllm"})
+    body = {"model": "m", "prompt": "x", "thinking_budget": 5}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
+    assert fakes["a"].raw == []
+
+
+def test_metrics_count_budgets_by_enforcement(gateway: Callable[..., Gw]) -> None:
+    url, _fakes = gateway({"a": "vllm"})
+    _chat(url, thinking_budget=5)
+    _chat(url, thinking_budget=0)
+    _chat(url, thinking_budget=6)
+    _chat(url)  # no budget: not counted
+    text = httpx.get(url + "/metrics").text
+    assert 'warmroute_thinking_budget_attempts_total{enforced="native"} 2.0' in text
+    assert 'warmroute_thinking_budget_attempts_total{enforced="off"} 1.0' in text
+    assert 'warmroute_thinking_budget_attempts_total{enforced="gateway"} 0.0' in text
