@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from config.settings import ThinkingConfig, TimeoutConfig
 from gateway.context import RequestContext, canonical_json
@@ -33,7 +33,7 @@ from gateway.metrics import Metrics
 from gateway.outcomes import RequestOutcome
 from gateway.proxy import upstream_headers
 from gateway.reasoning import normalise, reasoning_of, write_reasoning
-from gateway.relay import DONE, body, response_head, send_error, sse_error
+from gateway.relay import DONE, Expiry, SilenceWatch, body, response_head, send_error, sse_error
 from gateway.transport import TransportResponse, UpstreamTransport, UpstreamTransportError
 
 if TYPE_CHECKING:
@@ -97,22 +97,41 @@ class Continuation:
         self.metrics = metrics
 
     async def relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        """Answer ``ctx`` from phase 1's response ``upstream`` (and phase 2 if needed)."""
-        assert ctx.body is not None
+        """Answer ``ctx`` from phase 1's response ``upstream`` (and phase 2 if needed).
+
+        Engine silence and the request deadline are timed as on the proxy's own relay (``SilenceWatch``).
+        """
+        assert ctx.body is not None and ctx.task is not None
+        loop = asyncio.get_running_loop()
         remaining = self.timeouts.request_s - (time.monotonic() - ctx.started_at)
+        watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + remaining)
+
+        async def timed_send(message: Message) -> None:
+            watch.sending = True  # a slow client is not a silent engine
+            await send(message)
+            watch.chunk_sent()
+
+        timed = _Timed(upstream, watch)
         try:
-            async with asyncio.timeout(remaining):
-                if ctx.body.get("stream") is True:
-                    await self._stream(ctx, upstream, send)
-                else:
-                    await self._whole(ctx, upstream, send)
+            if ctx.body.get("stream") is True:
+                await self._stream(ctx, timed, timed_send)
+            else:
+                await self._whole(ctx, timed, timed_send)
+        except asyncio.CancelledError:
+            if watch.fired is None:
+                raise  # the client left, or the server is stopping
+            ctx.task.uncancel()
+            why = "went silent" if watch.fired is Expiry.SILENCE else "did not finish in time"
+            await self._failed(ctx, send, UpstreamTimeout(f"backend {_backend(ctx)} {why}"))
         except TimeoutError:
-            await self._failed(ctx, send, UpstreamTimeout(f"backend {_backend(ctx)} did not finish in time"))
+            await self._failed(ctx, send, UpstreamTimeout(f"backend {_backend(ctx)} sent no continuation"))
         except (UpstreamTransportError, ValueError, KeyError, IndexError, TypeError) as exc:
             what = f"backend {_backend(ctx)} failed during a budgeted generation: {type(exc).__name__}"
             await self._failed(ctx, send, UpstreamError(what))
         except UpstreamError as err:
             await self._failed(ctx, send, err)
+        finally:
+            watch.cancel()
 
     # -- non-streamed -------------------------------------------------------------------------------------
 
@@ -236,10 +255,16 @@ class Continuation:
         backend = ctx.lease.backend
         payload = canonical_json(self.phase2_body(ctx.body, phase, stream=stream))
         headers = upstream_headers(ctx.headers, backend.cfg.api_key)
+        watch = first.watch if isinstance(first, _Timed) else None
+        if watch is not None:
+            watch.sending = True  # waiting for the head is timed by first_byte_s, as on a first attempt
         async with asyncio.timeout(self.timeouts.first_byte_s):
             response = await self.transport.request("POST", backend.cfg.url, ctx.path, headers, payload)
         ctx.upstream = response  # closed by Proxy._finish: a disconnect now stops phase 2
-        return response
+        if watch is None:
+            return response
+        watch.chunk_sent()
+        return _Timed(response, watch)
 
     def phase2_body(self, original: dict[str, Any], phase: _Phase, *, stream: bool) -> dict[str, Any]:
         out = {k: v for k, v in original.items() if k not in ("thinking_budget", "reasoning_effort")}
@@ -280,6 +305,35 @@ class Continuation:
         elif ctx.body is not None and ctx.body.get("stream") is True:
             await send(sse_error(err))
         # a non-streamed body whose head is gone: returning unfinished makes the server close the connection
+
+
+class _Timed:
+    """A response whose every chunk tells the silence watch the engine is alive."""
+
+    __slots__ = ("inner", "watch")
+
+    def __init__(self, inner: TransportResponse, watch: SilenceWatch) -> None:
+        self.inner = inner
+        self.watch = watch
+
+    @property
+    def status(self) -> int:
+        return self.inner.status
+
+    @property
+    def headers(self) -> Sequence[tuple[bytes, bytes]]:
+        return self.inner.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        return self.inner.header(name)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner.aiter_raw():
+            self.watch.chunk_sent()
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def _backend(ctx: RequestContext) -> str:

@@ -191,3 +191,44 @@ def test_phase_two_body() -> None:
     answered = _Phase(reasoning=["r"], content=["The"], usage={"completion_tokens": 4})
     tail = cont.phase2_body(original, answered, stream=True)["messages"][-1]["content"]
     assert tail == "<think>\nr\n</think>\n\nThe"  # the answer had begun: continue it, no early-stop phrase
+
+
+def test_disconnect_in_phase_one_cancels_the_engine_and_sends_no_phase_two(
+    gateway: Callable[..., Gw],
+) -> None:
+    url, gw, sims = gateway(("a",), time_scale=1.0, decode_tps=20.0)  # 20 reasoning tokens take ~1 s
+    engine = sims["a"].engine
+    body = {"model": _model(sims), "messages": MSGS, "stream": True, "thinking_budget": 15}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+        for line in r.iter_lines():
+            if '"reasoning"' in line:
+                break  # phase 1 is under way
+    deadline = time.monotonic() + 5
+    while engine.stats.finished["abort"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats.finished["abort"] == 1 and engine.stats.requests == 1
+    while gw.registry.total_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gw.registry.total_in_flight() == 0
+
+
+def test_a_silent_engine_ends_the_stitched_stream_with_an_error() -> None:
+    import threading
+
+    from config.settings import load_settings
+
+    from upstreams import FakeEngine
+
+    gate = threading.Event()  # never set: the engine goes silent after its first chunk
+    fake = FakeEngine("a", gate=gate)
+    with serve(fake.app()) as (engine_url, _):
+        backends = [{"id": "a", "url": engine_url, "models": ["m"], "dialect": "openai"}]
+        settings = load_settings(None, backends=backends, timeouts={"read_s": 0.3})
+        with serve(create_app(settings)) as (url, _):
+            body = {"model": "m", "messages": MSGS, "stream": True, "thinking_budget": 5}
+            started = time.monotonic()
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+            gate.set()
+    assert r.status_code == 200 and time.monotonic() - started < 3
+    assert r.text.endswith("data: [DONE]\n\n") and "event: error" in r.text and "went silent" in r.text
+    assert json.loads(fake.raw[0])["max_tokens"] == 5  # phase 1 carried the budget as its token limit
