@@ -70,16 +70,13 @@ class Gateway:
             max_response_header_bytes=settings.upstream.max_response_header_bytes,
             max_response_headers=settings.upstream.max_response_headers,
         )
-        self.budgets = BudgetPolicy(settings.thinking, settings.models)
         self.proxy = Proxy(
-            settings.timeouts,
-            self.registry,
-            self.store,
-            self.health,
-            self.metrics,
-            self.transport,
-            steps=[BudgetStep(self.budgets, self.metrics)],
+            settings.timeouts, self.registry, self.store, self.health, self.metrics, self.transport
         )
+        # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
+        # by the gateway where the engine cannot, reasoning output in the fields clients expect.
+        self.budgets = BudgetPolicy(settings.thinking, settings.models)
+        self.proxy.steps = (*self.proxy.steps, BudgetStep(self.budgets, self.metrics))
         self.proxy.continuation = Continuation(
             self.transport, settings.timeouts, settings.thinking, self.metrics
         )

@@ -294,7 +294,7 @@ class Continuation:
         tokens = (
             phase.completion_tokens() if truncated and not "".join(phase.content) else len(phase.reasoning)
         )
-        self.metrics.thinking(gateway=True, truncated=truncated, reasoning_tokens=tokens)
+        self.metrics.thinking(truncated=truncated, reasoning_tokens=tokens)
 
     async def _failed(self, ctx: RequestContext, send: Send, err: UpstreamError) -> None:
         ctx.outcome = RequestOutcome.MID_STREAM_ERROR if ctx.responded else RequestOutcome.UPSTREAM_ERROR

@@ -63,8 +63,8 @@ class Metrics:
         """An attempt carrying a thinking budget: ``native``, ``gateway`` or ``off`` (thinking turned off)."""
         self.tally.budgets[enforced] = self.tally.budgets.get(enforced, 0) + 1
 
-    def thinking(self, *, gateway: bool, truncated: bool, reasoning_tokens: int) -> None:
-        del gateway  # only the gateway-enforced path sees reasoning tokens; kept for the call site's clarity
+    def thinking(self, *, truncated: bool, reasoning_tokens: int) -> None:
+        """A gateway-enforced request is over (only that path reads the reasoning it relays)."""
         self.tally.truncations += truncated
         self.tally.reasoning_tokens += reasoning_tokens
 
