@@ -232,3 +232,18 @@ def test_a_silent_engine_ends_the_stitched_stream_with_an_error() -> None:
     assert r.status_code == 200 and time.monotonic() - started < 3
     assert r.text.endswith("data: [DONE]\n\n") and "event: error" in r.text and "went silent" in r.text
     assert json.loads(fake.raw[0])["max_tokens"] == 5  # phase 1 carried the budget as its token limit
+
+
+def test_an_answer_cut_at_the_budget_is_continued_without_the_early_stop() -> None:
+    cfg = SimConfig(name="a", reasoning=True, reasoning_tokens=(3, 3), answer_tokens=(8, 8), time_scale=0.0)
+    with SimServer(cfg) as sim:
+        backends = [{"id": "a", "url": sim.base_url, "models": list(cfg.models), "dialect": "openai"}]
+        from config.settings import load_settings
+
+        with serve(create_app(load_settings(None, backends=backends))) as (url, _):
+            body = {"model": cfg.models[0], "messages": MSGS, "thinking_budget": 5, "max_tokens": 100}
+            out = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).json()
+    message = out["choices"][0]["message"]
+    assert len(message["reasoning"].split()) == 3  # the thought ended by itself, inside the budget
+    assert out["usage"]["completion_tokens"] == 5 + 8  # 3 reasoning + 2 answer tokens, then 8 more
+    assert out["choices"][0]["finish_reason"] == "stop" and sim.engine.stats.requests == 2
