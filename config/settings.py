@@ -26,6 +26,32 @@ class Dialect(StrEnum):
     OPENAI = "openai"
 
 
+class Effort(StrEnum):
+    """``reasoning_effort`` values: OpenAI's, plus the two vLLM also accepts."""
+
+    NONE = "none"
+    MINIMAL = "minimal"
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+    XHIGH = "xhigh"
+    MAX = "max"
+
+
+class ReasoningFields(StrEnum):
+    """Which reasoning field(s) a client receives, whatever the engine emits."""
+
+    BOTH = "both"
+    REASONING = "reasoning"  # vLLM's current spelling
+    REASONING_CONTENT = "reasoning_content"  # SGLang, llama.cpp, older vLLM, DeepSeek's API
+
+
+class BudgetEnforcement(StrEnum):
+    AUTO = "auto"  # native on vllm/sglang/llamacpp, by the gateway on openai
+    NATIVE = "native"
+    GATEWAY = "gateway"
+
+
 class PolicyName(StrEnum):
     AFFINITY = "affinity"
     LEAST_LOADED = "least_loaded"
@@ -177,6 +203,9 @@ class BackendConfig(_Section):
     api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
     managed: ManagedConfig | None = Field(default=None, description="Started and restarted by the gateway")
     canary: CanaryConfig | None = Field(default=None, description="Replaces the top-level canary section")
+    budget_enforcement: BudgetEnforcement = Field(
+        default=BudgetEnforcement.AUTO, description="Who caps thinking: the engine, or the gateway"
+    )
 
     @field_validator("url")
     @classmethod
@@ -185,6 +214,58 @@ class BackendConfig(_Section):
             raise ValueError("must start with http:// or https://")
         v = v.rstrip("/")
         return v.removesuffix("/v1")
+
+
+#: Reasoning tokens per effort when a client gives an effort and no budget (``none`` must stay 0).
+DEFAULT_EFFORT_BUDGETS: dict[Effort, int] = {
+    Effort.NONE: 0,
+    Effort.MINIMAL: 128,
+    Effort.LOW: 512,
+    Effort.MEDIUM: 2048,
+    Effort.HIGH: 8192,
+}
+
+#: Qwen's documented engine-agnostic early stop, closed with the end-of-thinking marker.
+DEFAULT_EARLY_STOP = (
+    "\n\nConsidering the limited time by the user, I have to give the solution based on the thinking "
+    "directly now.\n</think>\n\n"
+)
+
+
+class ModelConfig(_Section):
+    """Thinking budgets of one served model (a model absent from ``models:`` gets these defaults)."""
+
+    thinks: bool = Field(
+        default=True, description="False: budgets are moot; the gateway's fields are dropped"
+    )
+    default_budget: int | None = Field(default=None, ge=0, description="When the client asks for none")
+    max_budget: int | None = Field(default=None, ge=0, description="A larger requested budget is 400")
+    effort_budgets: dict[Effort, int] = Field(default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.effort_budgets.get(Effort.NONE, 0) != 0:
+            raise ValueError("effort_budgets.none must be 0")
+        if any(v < 0 for v in self.effort_budgets.values()):
+            raise ValueError("effort_budgets must be >= 0")
+        if self.max_budget is not None:
+            over = {k.value: v for k, v in self.effort_budgets.items() if v > self.max_budget}
+            if over or (self.default_budget or 0) > self.max_budget:
+                raise ValueError(f"default_budget and effort_budgets must not exceed max_budget ({over})")
+        return self
+
+
+class ThinkingConfig(_Section):
+    """Per-request thinking budgets (``thinking_budget`` / ``reasoning_effort``), see gateway/budgets.py."""
+
+    reasoning_fields: ReasoningFields = ReasoningFields.BOTH
+    budget_header: str = Field(default="x-thinking-budget", min_length=1)
+    effort_header: str = Field(default="x-reasoning-effort", min_length=1)
+    early_stop: str = Field(default=DEFAULT_EARLY_STOP, min_length=1, description="Ends a capped thought")
+    open_marker: str = Field(default="<think>\n", description="Opens the thought in a continued turn")
+    close_marker: str = Field(
+        default="\n</think>\n\n", description="Closes a finished thought before a continued answer"
+    )
 
 
 class RoutingConfig(_Section):
@@ -321,6 +402,8 @@ class Settings(BaseSettings):
     redis: RedisConfig = RedisConfig()
     canary: CanaryConfig = CanaryConfig()
     breaker: BreakerConfig = BreakerConfig()
+    thinking: ThinkingConfig = ThinkingConfig()
+    models: dict[str, ModelConfig] = Field(default_factory=dict, description="Per served model")
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Settings:

@@ -21,10 +21,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import RoutingConfig, Settings, load_settings
+from gateway.budgets import BudgetPolicy, BudgetStep
+from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
+from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.upstream import UpstreamPool
@@ -70,6 +73,14 @@ class Gateway:
         self.proxy = Proxy(
             settings.timeouts, self.registry, self.store, self.health, self.metrics, self.transport
         )
+        # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
+        # by the gateway where the engine cannot, reasoning output in the fields clients expect.
+        self.budgets = BudgetPolicy(settings.thinking, settings.models)
+        self.proxy.steps = (*self.proxy.steps, BudgetStep(self.budgets, self.metrics))
+        self.proxy.continuation = Continuation(
+            self.transport, settings.timeouts, settings.thinking, self.metrics
+        )
+        self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -140,7 +151,7 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
     max_body = settings.limits.max_body_bytes
 
     def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
-        return cls(gw.proxy, settings.routing, max_body, policy)
+        return cls(gw.proxy, settings.routing, max_body, policy, gw.budgets)
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)

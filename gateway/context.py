@@ -12,13 +12,16 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.registry import Backend, Lease
 from gateway.outcomes import RequestOutcome
 from gateway.transport import TransportResponse
 from routing.policies import Policy
 from routing.types import Reason
+
+if TYPE_CHECKING:
+    from gateway.budgets import Thinking
 
 
 @dataclass(slots=True)
@@ -33,6 +36,7 @@ class RequestContext:
     policy: Policy
     headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names)
     started_at: float = field(default_factory=time.monotonic)
+    thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any
     # -- filled in by the proxy's phases --------------------------------------------------------------
     task: asyncio.Task[None] | None = None
     reason: Reason = Reason.NO_BACKEND

@@ -11,6 +11,7 @@ from urllib.parse import unquote
 from starlette.types import Receive, Scope, Send
 
 from config.settings import RoutingConfig
+from gateway.budgets import BudgetPolicy
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
 from gateway.inbound import (
@@ -40,8 +41,16 @@ _FRAMING = re.compile(r"[\x00-\x20\x7f]")  # would split or corrupt the request 
 class Endpoint:
     """Read the body, build the context, forward. Subclasses say how to validate and key."""
 
-    def __init__(self, proxy: Proxy, routing: RoutingConfig, max_body: int, policy: Policy) -> None:
+    def __init__(
+        self,
+        proxy: Proxy,
+        routing: RoutingConfig,
+        max_body: int,
+        policy: Policy,
+        budgets: BudgetPolicy | None = None,
+    ) -> None:
         self.proxy = proxy
+        self.budgets = budgets
         self.routing = routing
         self.max_body = max_body
         self.policy = policy
@@ -80,13 +89,18 @@ class ChatCompletions(Endpoint):
         body = parse_object(raw)
         model = validate_chat(body)
         key = self.session(scope, model) or chat_key(body)
-        return self.make(scope, "/v1/chat/completions", raw, body, model, key)
+        ctx = self.make(scope, "/v1/chat/completions", raw, body, model, key)
+        if self.budgets is not None:  # thinking budgets: a bad value is a 400 here, before any engine
+            ctx.thinking = self.budgets.resolve(body, scope["headers"], model)
+        return ctx
 
 
 class Completions(Endpoint):
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
         body = parse_object(raw)
         model = validate_completion(body)
+        if self.budgets is not None:
+            self.budgets.refuse(body)
         key = self.session(scope, model) or completion_key(
             model, body["prompt"], self.routing.completion_key_chars
         )

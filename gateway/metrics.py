@@ -59,6 +59,15 @@ class Metrics:
         if first_byte_s is not None:
             timing[1].observe(first_byte_s)
 
+    def budget_attempt(self, enforced: str) -> None:
+        """An attempt carrying a thinking budget: ``native``, ``gateway`` or ``off`` (thinking turned off)."""
+        self.tally.budgets[enforced] = self.tally.budgets.get(enforced, 0) + 1
+
+    def thinking(self, *, truncated: bool, reasoning_tokens: int) -> None:
+        """A gateway-enforced request is over (only that path reads the reasoning it relays)."""
+        self.tally.truncations += truncated
+        self.tally.reasoning_tokens += reasoning_tokens
+
 
 class _Histogram:
     __slots__ = ("buckets", "count", "sum")
@@ -93,6 +102,9 @@ class _Tally(Collector):
         self.attempts: dict[tuple[str, AttemptOutcome], int] = {}
         self.requests: dict[tuple[str, RequestOutcome], int] = {}
         self.timings: dict[str, tuple[_Histogram, _Histogram]] = {}  # backend -> (duration, first byte)
+        self.budgets: dict[str, int] = {}  # thinking budgets by enforcement (gateway/budgets.py)
+        self.truncations = 0  # gateway-enforced budgets that cut the reasoning and continued
+        self.reasoning_tokens = 0  # reasoning tokens of gateway-enforced requests
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         decisions = CounterMetricFamily(
@@ -126,6 +138,25 @@ class _Tally(Collector):
             duration.add_metric([backend], whole.cumulative(), whole.sum)
             first_byte.add_metric([backend], first.cumulative(), first.sum)
         yield from (decisions, attempts, requests, duration, first_byte)
+        yield from self._thinking()
+
+    def _thinking(self) -> Iterator[CounterMetricFamily]:
+        budgets = CounterMetricFamily(
+            "warmroute_thinking_budget_attempts", "Attempts carrying a thinking budget", labels=["enforced"]
+        )
+        for enforced in ("native", "gateway", "off"):
+            budgets.add_metric([enforced], self.budgets.get(enforced, 0))
+        yield budgets
+        yield CounterMetricFamily(
+            "warmroute_thinking_truncations",
+            "Reasoning cut at the budget by the gateway",
+            value=self.truncations,
+        )
+        yield CounterMetricFamily(
+            "warmroute_reasoning_tokens",
+            "Reasoning tokens of gateway-enforced requests",
+            value=self.reasoning_tokens,
+        )
 
 
 class _BackendCollector(Collector):

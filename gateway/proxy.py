@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Send
 
@@ -50,6 +51,10 @@ from gateway.transport import (
 )
 from routing.types import BackendState, Decision, PinAction, RouteRequest
 
+if TYPE_CHECKING:
+    from gateway.continuation import Continuation
+    from gateway.reasoning import ReasoningRelay
+
 log = logging.getLogger("warmroute.proxy")
 
 Attempt = TransportResponse | UpstreamError
@@ -73,6 +78,8 @@ class Proxy:
         self.timeouts = timeouts
         self.transport = transport
         self.steps = tuple(steps)
+        self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
+        self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
@@ -85,6 +92,11 @@ class Proxy:
                 ctx.outcome = _outcome_of(err)
                 ctx.finishing = ctx.responded = True
                 await send_error(send, err)
+                return
+            thinking = ctx.thinking
+            if thinking is not None and thinking.gateway_enforced and upstream.status == 200:
+                assert self.continuation is not None  # two phases, one response: gateway/continuation.py
+                await self.continuation.relay(ctx, upstream, send)
                 return
             await self._relay(ctx, upstream, send)
         except asyncio.CancelledError:
@@ -212,12 +224,15 @@ class Proxy:
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
         sse, head = response_head(upstream, backend, ctx.reason)
+        chunks = upstream.aiter_raw()
+        if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
+            head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
         ctx.responded = True
         await send(head)
         loop = asyncio.get_running_loop()
         watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
                 watch.sending = True

@@ -1,0 +1,197 @@
+"""Per-request thinking budgets: the fields the gateway owns, validated at the edge, shaped per attempt.
+
+A client asks with ``thinking_budget`` (tokens, 0 = no thinking) and/or ``reasoning_effort`` (OpenAI's field),
+in the body or, for clients that cannot add body fields, in headers (the body wins when both are given).
+``resolve`` turns that into a ``Thinking`` or a 400 before any engine is called; ``BudgetStep`` (a
+``PrepareStep``) spells it for the dialect of the backend each attempt goes to (gateway/dialects.py), or marks
+the attempt for the gateway-enforced path (gateway/continuation.py).
+
+Rules where the issue is silent:
+- an explicit budget must leave room for an answer: ``thinking_budget < max_completion_tokens`` (or
+  ``max_tokens``) when either is set. Budgets derived from an effort or a model default are not checked: the
+  client's own token limit then binds first, as it would without the gateway;
+- ``reasoning_effort: "none"`` with a budget > 0, or budget 0 with an effort other than ``none``, contradict;
+- a budget with an effort: the budget caps, the effort still goes to engines that understand it;
+- a model configured ``thinks: false``: nothing to cap; the gateway's own field is dropped, not refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backends.registry import Backend
+from config.settings import BudgetEnforcement, Dialect, Effort, ModelConfig, ThinkingConfig
+from gateway.context import Draft, RequestContext
+from gateway.continuation import shape_phase1
+from gateway.dialects import DIALECTS
+from gateway.errors import BadRequest
+from gateway.metrics import Metrics
+
+BUDGET_FIELD = "thinking_budget"
+EFFORT_FIELD = "reasoning_effort"
+EFFORTS = tuple(e.value for e in Effort)
+_DEFAULT_MODEL = ModelConfig()
+
+
+@dataclass(slots=True)
+class Thinking:
+    """What one request asked for, resolved against its model's configuration."""
+
+    budget: int | None  # reasoning tokens allowed; None: no cap (effort only, or nothing asked)
+    effort: str | None  # the client's effort, validated
+    explicit: bool  # the budget came from the client, not from an effort table or a model default
+    gateway_enforced: bool = False  # set per attempt by ``BudgetStep``
+
+    @property
+    def off(self) -> bool:
+        return self.budget == 0 or self.effort == Effort.NONE
+
+
+class BudgetPolicy:
+    """The configuration ``resolve`` and ``BudgetStep`` read, built once from settings."""
+
+    def __init__(self, cfg: ThinkingConfig, models: Mapping[str, ModelConfig]) -> None:
+        self.cfg = cfg
+        self.models = dict(models)
+        self.budget_header = cfg.budget_header.lower().encode("latin-1")
+        self.effort_header = cfg.effort_header.lower().encode("latin-1")
+
+    def model(self, name: str | None) -> ModelConfig:
+        return self.models.get(name or "", _DEFAULT_MODEL)
+
+    def thinks(self, name: str | None) -> bool:
+        return self.model(name).thinks
+
+    def refuse(self, body: dict[str, Any]) -> None:
+        """/v1/completions has no chat template or reasoning parser: asking is an error, not a no-op."""
+        if body.get(BUDGET_FIELD) is not None:
+            raise BadRequest(f"'{BUDGET_FIELD}' applies to /v1/chat/completions only", param=BUDGET_FIELD)
+
+    def resolve(
+        self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], model: str | None
+    ) -> Thinking | None:
+        """The request's thinking budget, ``None`` if it asks for nothing, or ``BadRequest``."""
+        budget = _budget(body, _header(headers, self.budget_header), self.cfg.budget_header)
+        effort = _effort(body, _header(headers, self.effort_header), self.cfg.effort_header)
+        mcfg = self.model(model)
+        if budget is not None and mcfg.max_budget is not None and budget > mcfg.max_budget:
+            raise BadRequest(
+                f"'{BUDGET_FIELD}' must be between 0 and {mcfg.max_budget} for model {model!r}, got {budget}",
+                param=BUDGET_FIELD,
+            )
+        _check_agreement(budget, effort)
+        if budget is not None:
+            _check_room(body, budget)
+        if not mcfg.thinks:
+            return None
+        explicit = budget is not None
+        if budget is None and effort is not None:
+            budget = mcfg.effort_budgets.get(Effort(effort))
+        if budget is None and effort is None:
+            if mcfg.default_budget is None:
+                return None
+            budget = mcfg.default_budget
+        return Thinking(budget, effort, explicit)
+
+
+class BudgetStep:
+    """The ``PrepareStep``: the budget spelled for the chosen backend's dialect, per attempt.
+
+    Each attempt starts from the original body (``Draft``), so a retry on another dialect never sees the
+    previous dialect's fields.
+    """
+
+    def __init__(self, policy: BudgetPolicy, metrics: Metrics) -> None:
+        self.policy = policy
+        self.metrics = metrics
+
+    async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        thinking = ctx.thinking
+        body = draft.read()
+        if thinking is None:
+            if body is not None and BUDGET_FIELD in body:
+                draft.edit().pop(BUDGET_FIELD)  # ours: engines would ignore it or refuse it
+            return
+        dialect = backend.cfg.dialect
+        thinking.gateway_enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
+        shaped = draft.edit()
+        DIALECTS[dialect].shape(shaped, thinking, native=not thinking.gateway_enforced)
+        if thinking.gateway_enforced:
+            shape_phase1(shaped, thinking)
+        self.metrics.budget_attempt(
+            "off" if thinking.off else "gateway" if thinking.gateway_enforced else "native"
+        )
+
+
+def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinking) -> bool:
+    """Only a positive cap needs enforcing by the gateway; "off" is a template switch every dialect has."""
+    if thinking.budget is None or thinking.budget == 0:
+        return False
+    if mode is BudgetEnforcement.AUTO:
+        return dialect is Dialect.OPENAI
+    return mode is BudgetEnforcement.GATEWAY
+
+
+# -- validation ---------------------------------------------------------------------------------------------
+
+
+def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1").strip()
+    return None
+
+
+def _budget(body: dict[str, Any], header: str | None, header_name: str) -> int | None:
+    allowed = "an integer >= 0 (0 = no thinking)"
+    if BUDGET_FIELD in body:
+        value = body[BUDGET_FIELD]
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadRequest(f"'{BUDGET_FIELD}' must be {allowed}, got {value!r}", param=BUDGET_FIELD)
+        return value
+    if header is None:
+        return None
+    if not header.isascii() or not header.isdigit():
+        raise BadRequest(f"header {header_name} must be {allowed}, got {header!r}", param=header_name)
+    return int(header)
+
+
+def _effort(body: dict[str, Any], header: str | None, header_name: str) -> str | None:
+    value: Any = body.get(EFFORT_FIELD) if EFFORT_FIELD in body else header
+    where = f"'{EFFORT_FIELD}'" if EFFORT_FIELD in body else f"header {header_name}"
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in EFFORTS:
+        raise BadRequest(
+            f"{where} must be one of {', '.join(EFFORTS)}, got {value!r}",
+            param=EFFORT_FIELD if EFFORT_FIELD in body else header_name,
+        )
+    return value
+
+
+def _check_agreement(budget: int | None, effort: str | None) -> None:
+    if budget is None or effort is None:
+        return
+    if (budget == 0) != (effort == Effort.NONE):
+        raise BadRequest(
+            f"'{BUDGET_FIELD}': {budget} contradicts '{EFFORT_FIELD}': {effort!r}; budget 0 goes only with "
+            f"effort 'none' (and 'none' only with 0); give one of the two, or agreeing values",
+            param=BUDGET_FIELD,
+        )
+
+
+def _check_room(body: dict[str, Any], budget: int) -> None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        limit = body.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            if budget > 0 and budget >= limit:
+                raise BadRequest(
+                    f"'{BUDGET_FIELD}' ({budget}) leaves no room for an answer within '{name}' ({limit}); "
+                    f"it must be below {limit}",
+                    param=BUDGET_FIELD,
+                )
+            return
