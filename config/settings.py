@@ -168,6 +168,24 @@ class BreakerConfig(_Section):
         return self
 
 
+class GuardAction(StrEnum):
+    """What a tripped output guard does; values are metric labels."""
+
+    RECORD = "record"  # count it and log it; the stream goes on
+    END = "end"  # end that stream cleanly: an SSE error event, then [DONE]
+
+
+class GuardConfig(_Section):
+    """Output-health guard on proxied responses: finish_reason counts, degenerate repetition in streams."""
+
+    enabled: bool = True
+    repeat_count: int = Field(
+        default=32, ge=2, description="A unit of content deltas repeated this many times in a row trips it"
+    )
+    max_period: int = Field(default=4, ge=1, le=16, description="Longest repeated unit, in deltas")
+    action: GuardAction = GuardAction.RECORD
+
+
 class BackendConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
@@ -264,6 +282,9 @@ class ServerConfig(_Section):
         description="Open client connections per worker; one more is answered 503 and closed at once "
         "(keep it below the process's open-file limit minus the upstream pool)",
     )
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, how long requests in flight may take to finish"
+    )
 
 
 class RedisConfig(_Section):
@@ -321,6 +342,7 @@ class Settings(BaseSettings):
     redis: RedisConfig = RedisConfig()
     canary: CanaryConfig = CanaryConfig()
     breaker: BreakerConfig = BreakerConfig()
+    guard: GuardConfig = GuardConfig()
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Settings:

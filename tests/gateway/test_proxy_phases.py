@@ -6,15 +6,13 @@ import asyncio
 import json
 from typing import Any
 
-import httpx
 import pytest
 
-from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import load_settings
 from gateway.context import RequestContext
 from gateway.metrics import Metrics
-from gateway.proxy import Proxy
+from gateway.proxy import AdmitAll, Proxy
 from gateway.state import MemoryAffinityStore
 from gateway.transport import UpstreamPoolTimeout, UpstreamStaleConnection
 from routing.policies.round_robin import RoundRobinPolicy
@@ -37,8 +35,7 @@ def make_proxy(fake: FakeTransport, **timeouts: float) -> Proxy:
     registry = Registry(settings.backends, listener=store)
     for b in registry.backends.values():
         b.state = BackendState.READY
-    health = HealthChecker(registry, httpx.AsyncClient(), settings.health)
-    return Proxy(settings.timeouts, registry, store, health, Metrics(registry), fake)
+    return Proxy(settings.timeouts, registry, store, AdmitAll(), Metrics(registry), fake)
 
 
 def context() -> RequestContext:
