@@ -20,6 +20,8 @@ from __future__ import annotations
 from config.settings import GuardConfig
 
 _FINISH = b'"finish_reason":'
+#: A finish_reason that is a string (most chunks carry ``null``): one substring test per spelling.
+_FINISH_SET = (b'"finish_reason":"', b'"finish_reason": "')
 _EVENT_END = b"\n\n"
 _MAX_CARRY = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
 _BACKSLASH = 0x5C
@@ -57,7 +59,7 @@ class StreamGuard:
         self._carry = data[end + 2 :] if end + 2 < len(data) else b""
         if self.tripped is None and self._pieces(data, end):
             return True
-        if b"finish_reason" in data:  # most chunks carry ``null`` there; a substring test is cheap
+        if _FINISH_SET[0] in data or _FINISH_SET[1] in data:
             self._finish_reasons(data, end)
         return False
 
@@ -67,11 +69,23 @@ class StreamGuard:
             pos = data.find(key, pos, end)
             if pos < 0:
                 return False
-            value = _string_at(data, pos + len(key), end)
-            if value is None:
-                pos += len(key)
-                continue
-            start, stop = value
+            start = pos + len(key)
+            if data[start] != _QUOTE:  # ``null``, or the spaced spelling: the general parser
+                value = _string_at(data, start, end)
+                if value is None:
+                    pos = start
+                    continue
+                start, stop = value
+            else:
+                start += 1
+                stop = data.find(b'"', start, end)
+                if stop < 0:
+                    return False
+                if data[stop - 1] == _BACKSLASH:  # an escaped quote inside: the general parser
+                    value = _string_at(data, start - 1, end)
+                    if value is None:
+                        return False
+                    start, stop = value
             pos = stop + 1
             piece = data[start:stop].strip()
             if piece and self._repeats(piece):
@@ -80,17 +94,18 @@ class StreamGuard:
 
     def _repeats(self, piece: bytes) -> bool:
         history, runs, needed = self._history, self._runs, self._needed
-        n = len(history)
         hit = False
-        for p in range(1, self._max_period + 1):
-            if p <= n and history[n - p] == piece:
+        p = 0
+        for earlier in reversed(history):  # newest first: the delta 1, 2, … before this one
+            p += 1
+            if earlier == piece:
                 runs[p] += 1
                 if runs[p] >= needed[p]:
                     hit = True
-            else:
+            elif runs[p]:
                 runs[p] = 0
         history.append(piece)
-        if n >= self._max_period:
+        if p >= self._max_period:
             del history[0]
         return hit
 
