@@ -353,6 +353,15 @@ class Settings(BaseSettings):
             seen.add(b.id)
         return self
 
+    @model_validator(mode="after")
+    def _one_manager_per_engine(self) -> Settings:
+        managed = [b.id for b in self.backends if b.managed is not None]
+        if managed and self.server.workers > 1:
+            raise ValueError(
+                f"managed backends {managed} need server.workers: 1 (every worker would start its own engine)"
+            )
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -63,6 +63,10 @@ class StreamGuard:
             self._finish_reasons(data, end)
         return False
 
+    def unit(self) -> str:
+        """The repeated delta, for a log line or an error message (cut short)."""
+        return "" if self.tripped is None else self.tripped[:40].decode("utf-8", "replace")
+
     def _pieces(self, data: bytes, end: int) -> bool:
         key, pos = self._key, 0
         while True:

@@ -262,9 +262,7 @@ class Proxy:
         await send(head)
         loop = asyncio.get_running_loop()
         watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
-        guard, ended = None, False
-        if self.guard is not None:
-            guard = StreamGuard(self.guard, completions=ctx.path.startswith("/v1/completions"), sse=sse)
+        guard, ended = self._guard_for(ctx, sse), False
         try:
             async for chunk in upstream.aiter_raw():
                 if ctx.first_byte_at is None:
@@ -292,9 +290,10 @@ class Proxy:
                 ctx.finishing = True
                 await send(body(b"", more=False))
                 return
-            assert guard is not None and guard.tripped is not None
-            unit = guard.tripped.decode("utf-8", "replace")[:40]
-            error = UpstreamError(f"backend {backend} output degenerated: {unit!r} repeated; stream ended")
+            assert guard is not None
+            error = UpstreamError(
+                f"backend {backend} output degenerated: {guard.unit()!r} repeated; stream ended"
+            )
         finally:
             watch.cancel()
             if guard is not None and guard.finish:
@@ -310,15 +309,19 @@ class Proxy:
             # the connection, which is the only honest signal left.
             log.warning("%s; closing the client connection", error.message)
 
+    def _guard_for(self, ctx: RequestContext, sse: bool) -> StreamGuard | None:
+        if self.guard is None:
+            return None
+        return StreamGuard(self.guard, completions=ctx.path.startswith("/v1/completions"), sse=sse)
+
     def _tripped(self, backend: str, guard: StreamGuard) -> bool:
         """A degenerate stream: count and log it; True when the configured action ends it here."""
-        assert self.guard is not None and guard.tripped is not None
+        assert self.guard is not None
         action = self.guard.action if guard.sse else GuardAction.RECORD
         self.metrics.guard_tripped(backend, action.value)
-        unit = guard.tripped.decode("utf-8", "replace")[:40]
         n = self.guard.repeat_count
         log.warning(
-            "backend %s: output guard tripped (%r repeated %d times in a row): %s", backend, unit, n, action
+            "backend %s: output guard tripped (%r %d times in a row): %s", backend, guard.unit(), n, action
         )
         return action is GuardAction.END
 

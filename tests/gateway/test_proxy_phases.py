@@ -16,7 +16,12 @@ from gateway.context import RequestContext
 from gateway.metrics import Metrics
 from gateway.proxy import AdmitAll, Proxy
 from gateway.state import MemoryAffinityStore
-from gateway.transport import UpstreamConnectError, UpstreamPoolTimeout, UpstreamStaleConnection
+from gateway.transport import (
+    UpstreamConnectError,
+    UpstreamPoolTimeout,
+    UpstreamReadError,
+    UpstreamStaleConnection,
+)
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.types import BackendState
 
@@ -178,3 +183,13 @@ async def test_half_open_lets_one_trial_through_and_routes_the_others_on() -> No
     assert status_and_body(await trial)[0] == 200
     assert all(status_and_body(sent)[0] == 200 for sent in others)
     assert feed.breakers["a"].state(time.monotonic()).value == "closed"
+
+
+async def test_an_engine_that_breaks_mid_stream_is_a_breaker_failure_too() -> None:
+    fake = FakeTransport()
+    sse = [(b"content-type", b"text/event-stream")]
+    fake.script("http://a", Reply(200, sse, [b"data: {}\n\n", UpstreamReadError("reset by peer")]))
+    feed = BreakerFeed()
+    sent = await run(proxy_with(fake, feed), context())
+    assert b"event: error" in status_and_body(sent)[1]
+    assert feed.outcomes == [("a", True), ("a", False)]  # the head was an answer; the break was not
