@@ -347,7 +347,10 @@ class Proxy:
         return b is not None and b.routing_state is BackendState.READY
 
     def _nothing_ready(self, model: str | None) -> str:
-        states = ", ".join(f"{b.id}={b.state.value}" for b in self.registry.for_model(model))
+        states = ", ".join(
+            f"{b.id}={b.state.value}{' (circuit open)' if b.circuit_open else ''}"
+            for b in self.registry.for_model(model)
+        )
         what = f"model {model!r}" if model else "this request"
         return f"no healthy backend for {what} ({states or 'none configured'})"
 

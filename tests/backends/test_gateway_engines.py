@@ -156,6 +156,7 @@ async def test_the_breaker_opens_on_a_5xx_burst_and_closes_after_a_half_open_suc
         assert ctl.status()["circuit"] == "open" and state(gw, "a") is S.READY  # not DOWN: it answers
         r = await c.post(url + "/v1/chat/completions", json=CHAT)
         assert (r.status_code, r.json()["error"]["code"]) == (503, "no_healthy_backend")
+        assert "a=ready (circuit open)" in r.json()["error"]["message"]
         await tl.until(lambda: ctl.status()["circuit"] == "half_open", within=5)
         assert (await c.post(url + "/v1/chat/completions", json=CHAT)).status_code == 200  # the trial
         assert ctl.status()["circuit"] == "closed"
