@@ -20,12 +20,11 @@ from __future__ import annotations
 from config.settings import GuardConfig
 
 _FINISH = b'"finish_reason":'
-#: A finish_reason that is a string (most chunks carry ``null``): one substring test per spelling.
-_FINISH_SET = (b'"finish_reason":"', b'"finish_reason": "')
 _EVENT_END = b"\n\n"
 _MAX_CARRY = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
 _BACKSLASH = 0x5C
 _QUOTE = 0x22
+_N = 0x6E  # "n" of null
 #: finish_reason values kept as metric labels; anything else an engine sends counts as "other".
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort"})
 
@@ -59,7 +58,8 @@ class StreamGuard:
         self._carry = data[end + 2 :] if end + 2 < len(data) else b""
         if self.tripped is None and self._pieces(data, end):
             return True
-        if _FINISH_SET[0] in data or _FINISH_SET[1] in data:
+        f = data.find(_FINISH, 0, end)
+        if f >= 0 and data[f + len(_FINISH)] != _N:  # most chunks carry ``null`` there
             self._finish_reasons(data, end)
         return False
 
