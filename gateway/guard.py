@@ -24,7 +24,8 @@ _EVENT_END = b"\n\n"
 _MAX_CARRY = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
 _BACKSLASH = 0x5C
 _QUOTE = 0x22
-_N = 0x6E  # "n" of null
+#: A finish_reason that is a string, in either spelling (anywhere in the read: events may be packed).
+_FINISH_STRING = (b'"finish_reason":"', b'"finish_reason": "')
 #: finish_reason values kept as metric labels; anything else an engine sends counts as "other".
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort"})
 
@@ -58,8 +59,7 @@ class StreamGuard:
         self._carry = data[end + 2 :] if end + 2 < len(data) else b""
         if self.tripped is None and self._pieces(data, end):
             return True
-        f = data.find(_FINISH, 0, end)
-        if f >= 0 and data[f + len(_FINISH)] != _N:  # most chunks carry ``null`` there
+        if _FINISH_STRING[0] in data or _FINISH_STRING[1] in data:  # most events carry ``null`` there
             self._finish_reasons(data, end)
         return False
 

@@ -99,3 +99,9 @@ def test_a_json_body_only_counts_finish_reasons() -> None:
     g = StreamGuard(GuardConfig(repeat_count=2), completions=False, sse=False)
     assert g.feed(body) is False
     assert g.finish == ["stop", "stop"]
+
+
+def test_a_finish_reason_after_null_ones_in_the_same_read_is_counted() -> None:
+    g = guard()
+    g.feed(event("a") + event("b") + event(None, "length") + b"data: [DONE]\n\n")
+    assert g.finish == ["length"]
