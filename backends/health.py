@@ -1,9 +1,9 @@
 """Active health checks: a dead backend stops receiving new work; a recovered one gets it back.
 
 Probe: GET ``health.path`` (default /health); a 404 there falls back to GET /v1/models, which every
-OpenAI-compatible server has. ``fail_threshold`` consecutive failures mark a backend DOWN; one success
-marks it READY again. Draining/cordoned backends keep their state (an operator set it).
-Passive signal: the proxy calls ``mark_failed`` on a connect error, which marks DOWN at once.
+OpenAI-compatible server has. The checker writes no state: it reports every result to its ``ProbeSink``
+(the lifecycle controllers, via ``backends.fleet``), where ``fail_threshold`` failures make an outage and a
+success after one starts the canary.
 
 Each backend is probed by its own task on its own interval, so a slow engine delays only its own probes.
 A probe, fallback included, has a total deadline of ``timeout_s``: httpx's timeout bounds each read, and an
@@ -17,25 +17,32 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Protocol
 
 import httpx
 
 from backends.registry import Backend, Registry
 from config.settings import HealthConfig
-from routing.types import BackendState
 
 log = logging.getLogger("warmroute.health")
 
-_OPERATOR_STATES = frozenset({BackendState.DRAINING, BackendState.CORDONED})
+
+class ProbeSink(Protocol):
+    """Told every probe's result: ``error`` is None for a healthy answer. Must not block."""
+
+    def probed(self, backend_id: str, error: str | None) -> None: ...
 
 
 class HealthChecker:
     """Owns one probing task per watched backend: ``start()`` and ``aclose()`` in the app's lifespan."""
 
-    def __init__(self, registry: Registry, client: httpx.AsyncClient, cfg: HealthConfig) -> None:
+    def __init__(
+        self, registry: Registry, client: httpx.AsyncClient, cfg: HealthConfig, sink: ProbeSink
+    ) -> None:
         self.registry = registry
         self.client = client
         self.cfg = cfg
+        self.sink = sink
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def check_all(self) -> None:
@@ -79,32 +86,16 @@ class HealthChecker:
             await self.aclose()
 
     async def check(self, backend: Backend) -> None:
-        """Probe ``backend`` once and record the outcome. Raises nothing but ``CancelledError``."""
+        """Probe ``backend`` once and report the outcome. Raises nothing but ``CancelledError``."""
         error = await self._bounded_probe(backend)
         backend.last_checked = time.time()
-        if error is None:
-            self._mark_ok(backend)
-        else:
-            self.mark_failed(backend, error, threshold=self.cfg.fail_threshold)
-
-    def mark_failed(self, backend: Backend, error: str, threshold: int = 1) -> None:
-        backend.consecutive_failures += 1
         backend.last_error = error
-        if backend.consecutive_failures >= threshold and backend.state not in _OPERATOR_STATES:
-            if backend.state is not BackendState.DOWN:
-                log.warning("backend %s is down: %s", backend.id, error)
-            backend.state = BackendState.DOWN
+        self.sink.probed(backend.id, error)
 
     async def _watch(self, backend: Backend) -> None:
         while True:
             await asyncio.sleep(self.cfg.interval_s)
             await self.check(backend)
-
-    def _mark_ok(self, backend: Backend) -> None:
-        backend.consecutive_failures = 0
-        if backend.state not in _OPERATOR_STATES and backend.state is not BackendState.READY:
-            log.info("backend %s is ready", backend.id)
-            backend.state = BackendState.READY
 
     async def _bounded_probe(self, backend: Backend) -> str | None:
         """``_probe`` within ``timeout_s`` in all; a timeout or any exception becomes the failure's text."""

@@ -17,15 +17,20 @@ from routing.types import BackendState, Candidate
 @dataclass(slots=True)
 class Backend:
     cfg: BackendConfig
-    state: BackendState = BackendState.STARTING
+    state: BackendState = BackendState.STARTING  # written by its lifecycle controller (backends.fleet)
+    circuit_open: bool = False  # its breaker refuses requests: routing sees it as DOWN
     in_flight: int = 0
-    consecutive_failures: int = 0
-    last_error: str | None = None
+    last_error: str | None = None  # of the last failed health probe (the probe's own log de-duplication)
     last_checked: float | None = None
 
     @property
     def id(self) -> str:
         return self.cfg.id
+
+    @property
+    def routing_state(self) -> BackendState:
+        """What routing is shown: an open circuit takes a READY backend out like an outage would."""
+        return BackendState.DOWN if self.circuit_open else self.state
 
 
 class LeaseListener(Protocol):
@@ -88,11 +93,11 @@ class Registry:
         """Candidates for ``model``; ``in_flight`` (counts shared by other replicas) replaces local counts."""
         if in_flight is None:
             return tuple(
-                Candidate(b.id, b.state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)
+                Candidate(b.id, b.routing_state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)
                 for b in self.for_model(model)
             )
         return tuple(
-            Candidate(b.id, b.state, in_flight.get(b.id, 0), conversations.get(b.id, 0), b.cfg.weight)
+            Candidate(b.id, b.routing_state, in_flight.get(b.id, 0), conversations.get(b.id, 0), b.cfg.weight)
             for b in self.for_model(model)
         )
 
@@ -104,7 +109,7 @@ class Registry:
         return Lease(b, self.listener)
 
     def any_ready(self) -> bool:
-        return any(b.state is BackendState.READY for b in self.backends.values())
+        return any(b.routing_state is BackendState.READY for b in self.backends.values())
 
     def total_in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends.values())

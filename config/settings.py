@@ -194,6 +194,24 @@ class BreakerConfig(_Section):
         return self
 
 
+class GuardAction(StrEnum):
+    """What a tripped output guard does; values are metric labels."""
+
+    RECORD = "record"  # count it and log it; the stream goes on
+    END = "end"  # end that stream cleanly: an SSE error event, then [DONE]
+
+
+class GuardConfig(_Section):
+    """Output-health guard on proxied responses: finish_reason counts, degenerate repetition in streams."""
+
+    enabled: bool = True
+    repeat_count: int = Field(
+        default=32, ge=2, description="A unit of content deltas repeated this many times in a row trips it"
+    )
+    max_period: int = Field(default=4, ge=1, le=16, description="Longest repeated unit, in deltas")
+    action: GuardAction = GuardAction.RECORD
+
+
 class BackendConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
@@ -345,6 +363,9 @@ class ServerConfig(_Section):
         description="Open client connections per worker; one more is answered 503 and closed at once "
         "(keep it below the process's open-file limit minus the upstream pool)",
     )
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, how long requests in flight may take to finish"
+    )
 
 
 class RedisConfig(_Section):
@@ -404,6 +425,7 @@ class Settings(BaseSettings):
     breaker: BreakerConfig = BreakerConfig()
     thinking: ThinkingConfig = ThinkingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict, description="Per served model")
+    guard: GuardConfig = GuardConfig()
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Settings:
@@ -412,6 +434,15 @@ class Settings(BaseSettings):
             if b.id in seen:
                 raise ValueError(f"duplicate backend id {b.id!r}")
             seen.add(b.id)
+        return self
+
+    @model_validator(mode="after")
+    def _one_manager_per_engine(self) -> Settings:
+        managed = [b.id for b in self.backends if b.managed is not None]
+        if managed and self.server.workers > 1:
+            raise ValueError(
+                f"managed backends {managed} need server.workers: 1 (every worker would start its own engine)"
+            )
         return self
 
     @classmethod

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import RoutingConfig, Settings, load_settings
@@ -60,7 +64,9 @@ class Gateway:
             ),
             follow_redirects=False,
         )
-        self.health = HealthChecker(self.registry, self.client, settings.health)
+        # One lifecycle controller per backend, the one writer of its state; probes and the proxy feed it.
+        self.fleet = Fleet(self.registry, settings, self.client)
+        self.health = HealthChecker(self.registry, self.client, settings.health, self.fleet)
         # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
         self.transport = UpstreamPool(
             connect_timeout=settings.timeouts.connect_s,
@@ -71,7 +77,13 @@ class Gateway:
             max_response_headers=settings.upstream.max_response_headers,
         )
         self.proxy = Proxy(
-            settings.timeouts, self.registry, self.store, self.health, self.metrics, self.transport
+            settings.timeouts,
+            self.registry,
+            self.store,
+            self.fleet,
+            self.metrics,
+            self.transport,
+            guard=settings.guard,
         )
         # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
         # by the gateway where the engine cannot, reasoning output in the fields clients expect.
@@ -87,8 +99,11 @@ class Gateway:
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         # 1. Connect the shared state store (an unreachable Redis only degrades it; it reconnects itself).
         await self.store.start()
-        # 2. Probe every backend once so a healthy cluster takes traffic as soon as we listen.
+        # 2. Start the lifecycles (managed engines are spawned), probe every backend once and wait for the
+        #    canaries that started, so a healthy cluster takes traffic as soon as we listen.
+        self.fleet.start()
         await self.health.check_all()
+        await self.fleet.settled(self.settings.canary.timeout_s)
         # 3. Everything built so far lives as long as the process: move it out of the collector's sight, so
         #    a full collection walks only what requests allocate (57k objects cost a ~30 ms pause each time).
         if self.freeze_gc:
@@ -99,11 +114,23 @@ class Gateway:
         try:
             yield
         finally:
-            # 5. Stop probing, then close upstream connections and the state store.
+            # Shutdown. uvicorn has stopped accepting and waited up to server.shutdown_grace_s for the
+            # requests in flight (``warmroute serve``); under other servers we wait for them here.
+            # 5. Let what is still in flight finish, up to the same deadline.
+            await self._drained(self.settings.server.shutdown_grace_s)
+            # 6. Stop probing (no probe may start a canary or a restart now), then stop the lifecycles:
+            #    managed engines get their stop command or SIGTERM, then SIGKILL after stop_timeout_s.
             await self.health.aclose()
+            await self.fleet.aclose()
+            # 7. Close upstream connections and the state store.
             await self.transport.aclose()
             await self.client.aclose()
             await self.store.aclose()
+
+    async def _drained(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        while self.registry.total_in_flight() > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # shutdown only, and leases announce nothing
 
 
 def routing_params(cfg: RoutingConfig) -> RoutingParams:
@@ -170,10 +197,11 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
     async def healthz(_request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def readyz(_request: Request) -> Response:
-        # Served on the API port without auth: ids and states only. URLs, error text and exception details
-        # go to the log (and the admin API).
-        backends = {b.id: {"state": b.state.value} for b in gw.registry.backends.values()}
+    async def readyz(request: Request) -> Response:
+        # Served on the API port without auth. Loopback clients (an operator on the host, a local
+        # supervisor) get each backend's full lifecycle status (failed canary check and its answer, exit
+        # codes, last output lines); anyone else gets ids, states and a short reason, no URLs or output.
+        backends = readyz_backends(gw.fleet.status(), _is_loopback(request.client and request.client.host))
         shared = gw.store.status()
         ready = gw.registry.any_ready()
         body = {
@@ -216,6 +244,29 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
 def create_app_from_env() -> HotPath:
     """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
     return create_app(load_settings(os.environ.get(CONFIG_ENV)), freeze_gc=True)
+
+
+#: /readyz's reason for non-loopback clients is cut here: engine output must not leak through it.
+SHORT_REASON_CHARS = 120
+
+
+def readyz_backends(status: dict[str, dict[str, Any]], detail: bool) -> dict[str, dict[str, Any]]:
+    if detail:
+        return status
+    out: dict[str, dict[str, Any]] = {}
+    for bid, st in status.items():
+        reason = str(st.get("reason") or "").split(";", 1)[0].split(": ", 1)[0]  # "canary failed", …
+        out[bid] = {"state": st["state"], "reason": reason[:SHORT_REASON_CHARS]}
+    return out
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:

@@ -43,6 +43,18 @@ class Metrics:
         key = (backend, outcome)
         attempts[key] = attempts.get(key, 0) + 1
 
+    def finished(self, backend: str, reasons: list[str]) -> None:
+        """``finish_reason`` values of one response (bounded: ``gateway.guard.FINISH_REASONS`` or other)."""
+        counts = self.tally.finish_reasons
+        for reason in reasons:
+            key = (backend, reason)
+            counts[key] = counts.get(key, 0) + 1
+
+    def guard_tripped(self, backend: str, action: str) -> None:
+        trips = self.tally.guard_trips
+        key = (backend, action)
+        trips[key] = trips.get(key, 0) + 1
+
     def request(
         self, backend: str, outcome: RequestOutcome, duration_s: float, first_byte_s: float | None
     ) -> None:
@@ -105,6 +117,8 @@ class _Tally(Collector):
         self.budgets: dict[str, int] = {}  # thinking budgets by enforcement (gateway/budgets.py)
         self.truncations = 0  # gateway-enforced budgets that cut the reasoning and continued
         self.reasoning_tokens = 0  # reasoning tokens of gateway-enforced requests
+        self.finish_reasons: dict[tuple[str, str], int] = {}
+        self.guard_trips: dict[tuple[str, str], int] = {}
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         decisions = CounterMetricFamily(
@@ -138,7 +152,25 @@ class _Tally(Collector):
             duration.add_metric([backend], whole.cumulative(), whole.sum)
             first_byte.add_metric([backend], first.cumulative(), first.sum)
         yield from (decisions, attempts, requests, duration, first_byte)
+        yield from self._output()
         yield from self._thinking()
+
+    def _output(self) -> Iterator[CounterMetricFamily]:
+        finish = CounterMetricFamily(
+            "warmroute_finish_reasons",
+            "finish_reason of proxied answers (a rising length share: an engine looping to its limit)",
+            labels=["backend", "reason"],
+        )
+        for (backend, finish_reason), n in list(self.finish_reasons.items()):
+            finish.add_metric([backend, finish_reason], n)
+        trips = CounterMetricFamily(
+            "warmroute_output_guard_trips",
+            "Streams the output guard found degenerate (one unit repeated), by the action taken",
+            labels=["backend", "action"],
+        )
+        for (backend, action), n in list(self.guard_trips.items()):
+            trips.add_metric([backend, action], n)
+        yield from (finish, trips)
 
     def _thinking(self) -> Iterator[CounterMetricFamily]:
         budgets = CounterMetricFamily(

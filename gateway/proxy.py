@@ -7,8 +7,12 @@
   original body; untouched bodies go upstream as the client's own bytes);
 - send: one upstream attempt, transport errors mapped here and nowhere else. A connect error, timeout or 5xx
   *before the first byte* is retried once on the next choice, unseen by the client;
-- relay: the response streamed through unbuffered; a failure *after* bytes were sent ends an SSE stream with
-  an error event and ``[DONE]``, never a hang. Engine silence is timed, the client's reading is not;
+- admission: a chosen backend must ``admit`` the request (its circuit breaker: when half-open only one
+  trial goes); a refusal routes to the next choice. Every attempt's outcome feeds the breaker (connect
+  error, timeout, 5xx, broken before or during the answer: failure; any other answer, 4xx included: success);
+- relay: the response streamed through unbuffered, each chunk shown to the output guard first; a failure
+  *after* bytes were sent ends an SSE stream with an error event and ``[DONE]``, never a hang. Engine
+  silence is timed, the client's reading is not;
 - finish: the upstream response closed (that cancels the engine's work), the lease released, the request
   counted: in one ``finally``, whatever happened. A client disconnect at any point cancels the request.
 
@@ -21,13 +25,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.types import Receive, Send
 
-from backends.health import HealthChecker
 from backends.registry import Registry
-from config.settings import TimeoutConfig
+from config.settings import GuardAction, GuardConfig, TimeoutConfig
 from gateway.context import Draft, PrepareStep, RequestContext
 from gateway.errors import (
     GatewayError,
@@ -37,6 +40,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.guard import StreamGuard
 from gateway.metrics import Metrics
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.relay import Expiry, SilenceWatch, body, response_head, send_error, sse_error
@@ -60,20 +64,45 @@ log = logging.getLogger("warmroute.proxy")
 Attempt = TransportResponse | UpstreamError
 
 
+class RequestFeed(Protocol):
+    """The backends' lifecycles as the proxy sees them (``backends.fleet.Fleet``). No I/O, never blocks."""
+
+    def admit(self, backend_id: str) -> bool: ...
+
+    def outcome(self, backend_id: str, ok: bool) -> None: ...
+
+    def unreachable(self, backend_id: str, error: str) -> None: ...
+
+
+class AdmitAll:
+    """A feed for a proxy without lifecycles (benchmarks, phase tests): admits all, records nothing."""
+
+    def admit(self, backend_id: str) -> bool:
+        return True
+
+    def outcome(self, backend_id: str, ok: bool) -> None:
+        return None
+
+    def unreachable(self, backend_id: str, error: str) -> None:
+        return None
+
+
 class Proxy:
     def __init__(
         self,
         timeouts: TimeoutConfig,
         registry: Registry,
         store: AffinityStore,
-        health: HealthChecker,
+        feed: RequestFeed,
         metrics: Metrics,
         transport: UpstreamTransport,
         steps: Sequence[PrepareStep] = (),
+        guard: GuardConfig | None = None,
     ) -> None:
         self.registry = registry
         self.store = store
-        self.health = health
+        self.feed = feed
+        self.guard = guard if guard is not None and guard.enabled else None
         self.metrics = metrics
         self.timeouts = timeouts
         self.transport = transport
@@ -131,23 +160,35 @@ class Proxy:
             )
         view = await self.store.view(ctx.key if ctx.policy.uses_affinity else None)
         ctx.pinned = view.pinned
-        first = self._route(ctx, view, frozenset())
-        if first.backend is None:
+        backend, refused = await self._choose(ctx, view, frozenset())
+        if backend is None:
             raise NoHealthyBackend(self._nothing_ready(ctx.model))
-        backend = await self._commit(ctx, first)
         result = await self._attempt(ctx, backend)
         if not isinstance(result, UpstreamError) and result.status < 500:
             return result
-        retry = self._route(ctx, view, frozenset({backend}))
-        if retry.backend is None:
+        retry, _ = await self._choose(ctx, view, refused | {backend})
+        if retry is None:
             if isinstance(result, UpstreamError):
                 raise result
             return result  # nobody else to ask: the engine's own 5xx is the most useful answer
         await self._abandon(ctx, result)
-        result = await self._attempt(ctx, await self._commit(ctx, retry))
+        result = await self._attempt(ctx, retry)
         if isinstance(result, UpstreamError):
             raise result
         return result
+
+    async def _choose(
+        self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]
+    ) -> tuple[str | None, frozenset[str]]:
+        """The routed backend that admits the request (and those that refused it), or None."""
+        while True:
+            decision = self._route(ctx, view, exclude)
+            if decision.backend is None:
+                return None, exclude
+            backend = await self._commit(ctx, decision)
+            if self.feed.admit(backend):
+                return backend, exclude
+            exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
         candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
@@ -185,22 +226,26 @@ class Proxy:
                     ctx.method, backend.cfg.url, ctx.path, headers, payload
                 )
         except TimeoutError:
+            self.feed.outcome(backend_id, False)
             return self._failed(
                 backend_id, AttemptOutcome.TIMEOUT, UpstreamTimeout, "sent no response in time"
             )
         except UpstreamConnectError as exc:
-            self.health.mark_failed(backend, f"connect failed: {exc}")
+            self.feed.unreachable(backend_id, f"connect failed: {exc}")
             return self._failed(backend_id, AttemptOutcome.CONNECT_ERROR, UpstreamError, "is unreachable")
         except UpstreamPoolTimeout as exc:
+            # Our own pool is full: nothing the engine did, so nothing for its breaker.
             log.warning("backend %s: %s", backend_id, exc)
             return self._failed(backend_id, AttemptOutcome.POOL_TIMEOUT, UpstreamBusy, "is saturated")
         except UpstreamTransportError as exc:
             # Sent, then broken before the head (a stale keep-alive connection of a POST included): the
             # retry on the next backend is visible (retry_next), never a silent resend to the same one.
             log.warning("backend %s failed before answering: %s", backend_id, exc)
+            self.feed.outcome(backend_id, False)
             return self._failed(backend_id, AttemptOutcome.BROKEN, UpstreamError, "failed before answering")
         ctx.upstream = response
         failed = response.status >= 500
+        self.feed.outcome(backend_id, not failed)
         self.metrics.attempt(backend_id, AttemptOutcome.HTTP_5XX if failed else AttemptOutcome.OK)
         return response
 
@@ -231,10 +276,14 @@ class Proxy:
         await send(head)
         loop = asyncio.get_running_loop()
         watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
+        guard, ended = self._guard_for(ctx, sse), False
         try:
             async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
+                if guard is not None and guard.feed(chunk) and self._tripped(backend, guard):
+                    ended = True  # the guard's action is to end it: the tripping chunk is not sent
+                    break
                 watch.sending = True
                 await send(body(chunk, more=True))
                 watch.chunk_sent()
@@ -250,12 +299,21 @@ class Proxy:
             log.warning("backend %s broke mid-response: %s", backend, exc)
             error = UpstreamError(f"backend {backend} failed mid-stream (the connection broke)")
         else:
-            ctx.outcome = _answered(upstream.status)
-            ctx.finishing = True
-            await send(body(b"", more=False))
-            return
+            if not ended:
+                ctx.outcome = _answered(upstream.status)
+                ctx.finishing = True
+                await send(body(b"", more=False))
+                return
+            assert guard is not None
+            error = UpstreamError(
+                f"backend {backend} output degenerated: {guard.unit()!r} repeated; stream ended"
+            )
         finally:
             watch.cancel()
+            if guard is not None and guard.finish:
+                self.metrics.finished(backend, guard.finish)
+        if not ended:
+            self.feed.outcome(backend, False)  # the engine broke or went silent mid-answer
         ctx.outcome = RequestOutcome.MID_STREAM_ERROR
         if sse:
             ctx.finishing = True
@@ -264,6 +322,22 @@ class Proxy:
             # A non-streamed body's status line is gone: returning without finishing makes the server close
             # the connection, which is the only honest signal left.
             log.warning("%s; closing the client connection", error.message)
+
+    def _guard_for(self, ctx: RequestContext, sse: bool) -> StreamGuard | None:
+        if self.guard is None:
+            return None
+        return StreamGuard(self.guard, completions=ctx.path.startswith("/v1/completions"), sse=sse)
+
+    def _tripped(self, backend: str, guard: StreamGuard) -> bool:
+        """A degenerate stream: count and log it; True when the configured action ends it here."""
+        assert self.guard is not None
+        action = self.guard.action if guard.sse else GuardAction.RECORD
+        self.metrics.guard_tripped(backend, action.value)
+        n = self.guard.repeat_count
+        log.warning(
+            "backend %s: output guard tripped (%r %d times in a row): %s", backend, guard.unit(), n, action
+        )
+        return action is GuardAction.END
 
     # -- finish ---------------------------------------------------------------------------------------
 
@@ -284,10 +358,13 @@ class Proxy:
 
     def _routable(self, backend_id: str) -> bool:
         b = self.registry.backends.get(backend_id)
-        return b is not None and b.state is BackendState.READY
+        return b is not None and b.routing_state is BackendState.READY
 
     def _nothing_ready(self, model: str | None) -> str:
-        states = ", ".join(f"{b.id}={b.state.value}" for b in self.registry.for_model(model))
+        states = ", ".join(
+            f"{b.id}={b.state.value}{' (circuit open)' if b.circuit_open else ''}"
+            for b in self.registry.for_model(model)
+        )
         what = f"model {model!r}" if model else "this request"
         return f"no healthy backend for {what} ({states or 'none configured'})"
 

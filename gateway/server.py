@@ -109,6 +109,8 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> GatewayCon
         "server_header": False,
         "access_log": False,
         "proxy_headers": False,
+        # On SIGTERM uvicorn stops accepting, then waits this long for requests in flight (then cancels them).
+        "timeout_graceful_shutdown": server.shutdown_grace_s,
     }
     options.update(overrides)
     limits = InboundLimits.from_settings(settings)

@@ -52,6 +52,11 @@ def test_backends_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
         ("rooting: {}", "rooting"),
         ("redis: {heartbeat_s: 5, lease_ttl_s: 6}", "twice heartbeat_s"),
         ("redis: {timeout_s: 0}", "redis.timeout_s"),
+        (
+            "server: {workers: 2}\nbackends: [{id: a, url: 'http://x', models: [m], managed: {command: x}}]",
+            "need server.workers: 1",
+        ),
+        ("guard: {action: kill}", "guard.action"),
         ("- just a list", "mapping"),
         ("a: [unclosed", "not valid YAML"),
     ],

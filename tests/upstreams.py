@@ -22,6 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from config.settings import DEFAULT_CONSISTENCY_PROMPT
+
 
 @contextlib.contextmanager
 def serve(app: ASGIApp, port: int = 0) -> Iterator[tuple[str, uvicorn.Server]]:
@@ -65,6 +67,8 @@ class FakeEngine:
     stall_s: float = 0.0  # wait this long before answering
     healthy: bool = True
     gate: threading.Event | None = None  # if set, the stream waits on it after the first chunk
+    canary_answer: str | None = None  # what it answers the gateway's canary (None: a passing answer)
+    canaries: int = 0  # canary requests answered (kept out of every other counter and fault)
     extra_headers: dict[str, str] = field(default_factory=dict)  # added to every generation response
     requests: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)  # the exact body bytes of every request it received
@@ -112,9 +116,16 @@ class FakeEngine:
 
     async def _chat(self, request: Request) -> Response:
         raw = await request.body()
+        body = json.loads(raw)
+        if _is_canary(body):
+            # The gateway's default admission check (same greedy prompt twice): answered at once and
+            # consistently, outside the scripted faults, so tests count and script only their own traffic.
+            self.canaries += 1
+            answer = self.canary_answer or "Mercury, Venus, Earth, Mars, Jupiter"
+            message = {"role": "assistant", "content": answer}
+            return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
         self.raw.append(raw)
         self.paths.append(request.scope["raw_path"].decode("latin-1"))
-        body = json.loads(raw)
         self.requests.append(body)
         self.headers.append(dict(request.headers))
         if self.fail_next > 0:
@@ -188,3 +199,13 @@ class FakeEngine:
             self.active -= 1
             if not done:
                 self.cancelled += 1
+
+
+def _is_canary(body: dict[str, Any]) -> bool:
+    messages = body.get("messages")
+    return (
+        isinstance(messages, list)
+        and len(messages) == 1
+        and isinstance(messages[0], dict)
+        and messages[0].get("content") == DEFAULT_CONSISTENCY_PROMPT
+    )

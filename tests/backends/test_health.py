@@ -1,4 +1,9 @@
-"""backends.health: probe semantics through respx (no sockets), and one real-socket test of the deadline."""
+"""backends.health: probe semantics through respx (no sockets), and one real-socket test of the deadline.
+
+The checker writes no state; it reports each probe to a sink. The sink here applies those reports to the
+real lifecycle (``backends.lifecycle.transition``, a canary that always passes) and mirrors the state into
+the registry, so the tests assert both the events sent and the states they lead to.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import httpx
 import pytest
 import respx
 
+from backends.events import CanaryPassed, Event, ProbeFailed, ProbeOk
 from backends.health import HealthChecker
+from backends.lifecycle import Lifecycle, LifecyclePolicy, transition
 from backends.registry import Backend, Registry
 from config.settings import BackendConfig, HealthConfig
 from routing.types import BackendState
@@ -24,14 +31,49 @@ def backend_config(name: str, url: str | None = None) -> BackendConfig:
     return BackendConfig(id=name, url=url or f"http://{name}.test", models=("m",))
 
 
+class LifecycleSink:
+    """Probe results -> events -> the pure lifecycle (the canary passes at once) -> ``Backend.state``."""
+
+    def __init__(self, registry: Registry, fail_threshold: int) -> None:
+        self.backends = dict(registry.backends)
+        self.policy = LifecyclePolicy(fail_threshold=fail_threshold)
+        self.lifecycles: dict[str, Lifecycle] = {}
+        self.events: list[tuple[str, Event]] = []
+
+    def probed(self, backend_id: str, error: str | None) -> None:
+        event: Event = ProbeOk() if error is None else ProbeFailed(error)
+        self.events.append((backend_id, event))
+        lc, _ = transition(self.lifecycle(backend_id), event, 0.0, self.policy)
+        if lc.state is BackendState.CANARY:
+            lc, _ = transition(lc, CanaryPassed(lc.canary_seq), 0.0, self.policy)
+        self.set(backend_id, lc)
+
+    def lifecycle(self, backend_id: str) -> Lifecycle:
+        return self.lifecycles.get(backend_id, Lifecycle())
+
+    def set(self, backend_id: str, lc: Lifecycle) -> None:
+        self.lifecycles[backend_id] = lc
+        self.backends[backend_id].state = lc.state
+
+    def failures(self, backend_id: str) -> int:
+        return self.lifecycle(backend_id).probe_failures
+
+
 @contextlib.asynccontextmanager
 async def checker(*backends: BackendConfig, **cfg: object) -> AsyncIterator[HealthChecker]:
     async with httpx.AsyncClient() as client:
-        health = HealthChecker(Registry(backends), client, HealthConfig(**cfg))  # type: ignore[arg-type]
+        registry = Registry(backends)
+        config = HealthConfig(**cfg)  # type: ignore[arg-type]
+        health = HealthChecker(registry, client, config, LifecycleSink(registry, config.fail_threshold))
         try:
             yield health
         finally:
             await health.aclose()
+
+
+def sink(health: HealthChecker) -> LifecycleSink:
+    assert isinstance(health.sink, LifecycleSink)
+    return health.sink
 
 
 @pytest.fixture
@@ -48,9 +90,8 @@ async def until(predicate: Callable[[], bool], within: float) -> None:
 
 
 def ready(health: HealthChecker, name: str) -> Backend:
-    b = health.registry.backends[name]
-    b.state = BackendState.READY
-    return b
+    sink(health).set(name, Lifecycle(state=BackendState.READY))
+    return health.registry.backends[name]
 
 
 # -- one probe ------------------------------------------------------------------------------------
@@ -70,6 +111,7 @@ async def test_404_on_health_falls_back_to_v1_models(
         await health.check(b)
         assert (b.state, b.last_error) == (state, error)
         assert b.last_checked is not None
+        assert sink(health).events == [("a", ProbeOk() if error is None else ProbeFailed(error))]
     assert (health_route.call_count, models_route.call_count) == (1, 1)
 
 
@@ -100,16 +142,23 @@ async def test_the_api_key_is_sent(mock: respx.MockRouter) -> None:
 
 
 @pytest.mark.parametrize("state", [BackendState.DRAINING, BackendState.CORDONED])
-@pytest.mark.parametrize(("status", "failures"), [(200, 0), (503, 2)])
-async def test_operator_states_are_kept(
-    mock: respx.MockRouter, state: BackendState, status: int, failures: int
+@pytest.mark.parametrize(("status", "after", "failures"), [(200, None, 0), (503, BackendState.DOWN, 2)])
+async def test_operator_states_are_kept_by_healthy_probes_and_lost_to_an_outage(
+    mock: respx.MockRouter, state: BackendState, status: int, after: BackendState | None, failures: int
 ) -> None:
+    # The lifecycle's rule: a dead engine goes DOWN even when drained or cordoned (its pins must move);
+    # the operator flag survives and applies again after its canary.
     mock.get("http://a.test/health").mock(return_value=httpx.Response(status))
     async with checker(backend_config("a"), fail_threshold=1) as health:
         b = health.registry.backends["a"]
-        b.state, b.consecutive_failures = state, 1
+        flags = {"drained": state is BackendState.DRAINING, "cordoned": state is BackendState.CORDONED}
+        sink(health).set("a", Lifecycle(state=state, probe_failures=1, **flags))
         await health.check(b)
-        assert (b.state, b.consecutive_failures) == (state, failures)
+        assert (b.state, sink(health).failures("a")) == (after or state, failures)
+        if after is not None:
+            mock.get("http://a.test/health").mock(return_value=httpx.Response(200))
+            await health.check(b)
+            assert b.state is state
 
 
 async def test_fail_threshold_counts_consecutive_failures(mock: respx.MockRouter) -> None:
@@ -120,7 +169,7 @@ async def test_fail_threshold_counts_consecutive_failures(mock: respx.MockRouter
         seen = []
         for _ in statuses:
             await health.check(b)
-            seen.append((b.state, b.consecutive_failures))
+            seen.append((b.state, sink(health).failures("a")))
     R, D = BackendState.READY, BackendState.DOWN
     assert seen == [(R, 1), (R, 2), (R, 0), (R, 1), (R, 2), (D, 3), (R, 0)]
 
@@ -133,7 +182,7 @@ async def test_a_probe_that_raises_is_a_failure_logged_in_one_line(
     async with checker(backend_config("a"), fail_threshold=2) as health:
         b = ready(health, "a")
         await health.check(b)
-        assert (b.state, b.consecutive_failures) == (BackendState.READY, 1)
+        assert (b.state, sink(health).failures("a")) == (BackendState.READY, 1)
         assert b.last_error == "health probe raised RuntimeError: boom"
         await health.check(b)
         assert b.state is BackendState.DOWN
@@ -142,9 +191,9 @@ async def test_a_probe_that_raises_is_a_failure_logged_in_one_line(
     lines = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records if r.name == "warmroute.health"]
     assert lines == [
         (logging.WARNING, "backend a: health probe raised RuntimeError: boom", None),  # once, not per round
-        (logging.WARNING, "backend a is down: health probe raised RuntimeError: boom", None),
-        (logging.INFO, "backend a is ready", None),
-    ]
+    ]  # the state changes are the lifecycle's to log
+    error = ProbeFailed("health probe raised RuntimeError: boom")
+    assert sink(health).events == [("a", error), ("a", error), ("a", ProbeOk())]
 
 
 # -- the background loop ------------------------------------------------------------------------------
@@ -154,7 +203,7 @@ async def test_the_loop_survives_a_probe_that_raises(mock: respx.MockRouter) -> 
     seen: list[int] = []  # the backend's failure count as each probe starts
 
     def answer(_request: httpx.Request) -> httpx.Response:
-        seen.append(health.registry.backends["a"].consecutive_failures)
+        seen.append(sink(health).failures("a"))
         if len(seen) <= 2:
             raise RuntimeError("a bug in the probe")
         return httpx.Response(200)
@@ -221,6 +270,7 @@ async def test_watch_unwatch_and_aclose(mock: respx.MockRouter) -> None:
         health.start()  # idempotent
         assert health._tasks == tasks and len(tasks) == 2
         added = Backend(backend_config("c"))  # as if added at runtime
+        sink(health).backends["c"] = added
         health.watch(added)
         await until(lambda: b_route.call_count >= 1 and c_route.call_count >= 1, within=5)
         await health.unwatch("b")

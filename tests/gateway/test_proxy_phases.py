@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
-import httpx
 import pytest
 
-from backends.health import HealthChecker
+from backends.breaker import BreakerPolicy, CircuitBreaker
 from backends.registry import Registry
 from config.settings import load_settings
 from gateway.context import RequestContext
 from gateway.metrics import Metrics
-from gateway.proxy import Proxy
+from gateway.proxy import AdmitAll, Proxy
 from gateway.state import MemoryAffinityStore
-from gateway.transport import UpstreamPoolTimeout, UpstreamStaleConnection
+from gateway.transport import (
+    UpstreamConnectError,
+    UpstreamPoolTimeout,
+    UpstreamReadError,
+    UpstreamStaleConnection,
+)
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.types import BackendState
 
@@ -37,8 +42,7 @@ def make_proxy(fake: FakeTransport, **timeouts: float) -> Proxy:
     registry = Registry(settings.backends, listener=store)
     for b in registry.backends.values():
         b.state = BackendState.READY
-    health = HealthChecker(registry, httpx.AsyncClient(), settings.health)
-    return Proxy(settings.timeouts, registry, store, health, Metrics(registry), fake)
+    return Proxy(settings.timeouts, registry, store, AdmitAll(), Metrics(registry), fake)
 
 
 def context() -> RequestContext:
@@ -120,3 +124,72 @@ async def test_engine_silence_after_the_head_ends_the_stream_with_an_error_event
     assert b'"code": "upstream_timeout"' in body and b"sent nothing for 0.05s" in body
     assert body.endswith(b"data: [DONE]\n\n")
     assert fake.unclosed() == [] and proxy.registry.total_in_flight() == 0
+
+
+class BreakerFeed:
+    """Real circuit breakers behind the proxy's feed; records every outcome it is told."""
+
+    def __init__(self, policy: BreakerPolicy | None = None) -> None:
+        self.breakers = {n: CircuitBreaker(policy) for n in ("a", "b")}
+        self.outcomes: list[tuple[str, bool]] = []
+        self.unreachable_seen: list[str] = []
+
+    def admit(self, backend_id: str) -> bool:
+        return self.breakers[backend_id].begin(time.monotonic())
+
+    def outcome(self, backend_id: str, ok: bool) -> None:
+        self.outcomes.append((backend_id, ok))
+        self.breakers[backend_id].record(ok, time.monotonic())
+
+    def unreachable(self, backend_id: str, error: str) -> None:
+        self.unreachable_seen.append(backend_id)
+        self.outcome(backend_id, False)
+
+
+def proxy_with(fake: FakeTransport, feed: BreakerFeed) -> Proxy:
+    proxy = make_proxy(fake)
+    proxy.feed = feed
+    return proxy
+
+
+async def test_every_attempt_feeds_the_breaker_and_a_4xx_is_a_success() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply.json(OK, status=500), Reply.json({"error": {}}, status=400))
+    fake.script("http://b", Reply(error=UpstreamConnectError("refused")))
+    feed = BreakerFeed()
+    proxy = proxy_with(fake, feed)
+    assert status_and_body(await run(proxy, context()))[0] == 502  # a: 500, retried on b: refused
+    assert status_and_body(await run(proxy, context()))[0] == 400  # then a again: its 400
+    assert feed.outcomes == [("a", False), ("b", False), ("a", True)]
+    assert feed.unreachable_seen == ["b"]
+
+
+async def test_half_open_lets_one_trial_through_and_routes_the_others_on() -> None:
+    fake = FakeTransport()
+    gate = asyncio.Event()
+    held = Reply.json(OK)
+    held.before_head = gate  # the trial stays in flight until the test lets it answer
+    fake.script("http://a", held)
+    fake.script("http://b", Reply.json(OK), Reply.json(OK))
+    feed = BreakerFeed(BreakerPolicy(failure_threshold=1, open_s=0.01, open_max_s=0.01))
+    feed.breakers["a"].record(False, time.monotonic() - 1)  # opened a second ago: half-open now
+    proxy = proxy_with(fake, feed)
+    trial = asyncio.create_task(run(proxy, context()))
+    while not fake.requests:  # noqa: ASYNC110 - the fake transport announces nothing
+        await asyncio.sleep(0)
+    others = [await run(proxy, context()) for _ in range(2)]  # round robin would pick a for one of them
+    assert [r.origin for r in fake.requests] == ["http://a", "http://b", "http://b"]
+    gate.set()
+    assert status_and_body(await trial)[0] == 200
+    assert all(status_and_body(sent)[0] == 200 for sent in others)
+    assert feed.breakers["a"].state(time.monotonic()).value == "closed"
+
+
+async def test_an_engine_that_breaks_mid_stream_is_a_breaker_failure_too() -> None:
+    fake = FakeTransport()
+    sse = [(b"content-type", b"text/event-stream")]
+    fake.script("http://a", Reply(200, sse, [b"data: {}\n\n", UpstreamReadError("reset by peer")]))
+    feed = BreakerFeed()
+    sent = await run(proxy_with(fake, feed), context())
+    assert b"event: error" in status_and_body(sent)[1]
+    assert feed.outcomes == [("a", True), ("a", False)]  # the head was an answer; the break was not

@@ -51,6 +51,8 @@ def start_gateway(
     backends = [{"id": f.name, "url": urls[f.name], "models": list(f.models)} for f in fakes]
     backends += [{"id": name, "url": url, "models": ["m"]} for name, url in (raw_engines or {}).items()]
     overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+    # Hostile engines script one answer per path, not a model: a canary is beside the point here.
+    overrides.setdefault("canary", {"enabled": False})
     overrides["server"] = {**FAST, **overrides.get("server", {})}
     overrides["limits"] = {**FAST_LIMITS, **overrides.get("limits", {})}
     settings = load_settings(None, backends=backends, **overrides)

@@ -6,6 +6,7 @@ internals).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -24,7 +25,7 @@ from hostile_engine import (
     trickle,
 )
 
-from conftest import HostileGatewayFactory
+from conftest import HostileGateway, HostileGatewayFactory
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -170,10 +171,19 @@ def test_readyz_and_error_bodies_show_ids_and_states_not_urls_or_internals(
         c = hostile_gateway(engines=[], raw_engines={"bad": url}, health={"interval_s": 60})
         r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
         assert (r.status_code, r.json()["error"]["message"]) == (502, "backend bad failed before answering")
-        ready = httpx.get(c.url + "/readyz").text
+        ready = asyncio.run(readyz_from(c, ("10.1.2.3", 40000)))  # any client not on loopback
         port = url.rsplit(":", 1)[1]
         assert "127.0.0.1" not in ready and port not in ready
-        assert json.loads(ready)["backends"] == {"bad": {"state": "ready"}}
+        assert json.loads(ready)["backends"] == {"bad": {"state": "ready", "reason": "canary passed"}}
+        # On loopback (an operator on the host): the lifecycle's full status.
+        local = httpx.get(c.url + "/readyz").json()["backends"]["bad"]
+        assert (local["state"], local["circuit"], local["routable"]) == ("ready", "closed", True)
+
+
+async def readyz_from(c: HostileGateway, client: tuple[str, int]) -> str:
+    transport = httpx.ASGITransport(app=c.server.config.app, client=client)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        return (await http.get("/readyz")).text
 
 
 def test_a_well_behaved_engine_is_unaffected(hostile_gateway: HostileGatewayFactory) -> None:

@@ -1,0 +1,106 @@
+"""``Fleet``: one ``BackendController`` per configured backend, and the seams to everything that feeds them.
+
+The controllers are the one writer of each backend's lifecycle; ``Fleet`` mirrors every change into the
+registry's ``Backend`` (what routing reads) and is the sink of the health checker (probe results become
+``ProbeOk``/``ProbeFailed`` events) and of the proxy (request outcomes feed the circuit breaker).
+
+Mirroring rule: ``Backend.state`` is the lifecycle state, and ``Backend.circuit_open`` is set while the
+circuit is open; ``Registry.snapshot`` shows such a backend to routing as DOWN, so it takes no new work and
+its pinned conversations re-pin (``repin_unhealthy``) until the breaker lets a trial through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from backends.breaker import CircuitState
+from backends.events import ProbeFailed, ProbeOk
+from backends.lifecycle import Lifecycle
+from backends.managed import BackendController
+from backends.registry import Backend, Registry
+from config.settings import Settings
+from routing.types import BackendState
+
+log = logging.getLogger("warmroute.fleet")
+
+
+class Fleet:
+    """Owns the controllers: ``start()`` and ``aclose()`` in the app's lifespan."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        settings: Settings,
+        client: httpx.AsyncClient,
+        make: Callable[..., BackendController] = BackendController.from_settings,
+    ) -> None:
+        self.registry = registry
+        self.controllers: dict[str, BackendController] = {}
+        self._changed = asyncio.Event()
+        for cfg in settings.backends:
+            backend = registry.backends[cfg.id]
+            self.controllers[cfg.id] = make(cfg, settings, client, self._mirror(backend))
+
+    def start(self) -> None:
+        for controller in self.controllers.values():
+            controller.start()
+
+    async def aclose(self) -> None:
+        """Stop every controller at once: managed engines get their stop command or SIGTERM, then SIGKILL."""
+        await asyncio.gather(*(c.aclose() for c in self.controllers.values()))
+
+    async def settled(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no backend is running its canary: at start-up, so that a
+        healthy cluster takes traffic as soon as the gateway listens."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while any(c.lifecycle.state is BackendState.CANARY for c in self.controllers.values()):
+                    self._changed.clear()
+                    await self._changed.wait()
+
+    # -- the health checker's sink ------------------------------------------------------------------------
+
+    def probed(self, backend_id: str, error: str | None) -> None:
+        controller = self.controllers.get(backend_id)
+        if controller is not None:
+            controller.send(ProbeOk() if error is None else ProbeFailed(error))
+
+    # -- the proxy's feed ---------------------------------------------------------------------------------
+
+    def admit(self, backend_id: str) -> bool:
+        """May a new request go to this backend now (takes the breaker's single half-open trial)?"""
+        controller = self.controllers.get(backend_id)
+        return controller is None or controller.admit_request()
+
+    def outcome(self, backend_id: str, ok: bool) -> None:
+        controller = self.controllers.get(backend_id)
+        if controller is not None:
+            controller.record_request(ok)
+
+    def unreachable(self, backend_id: str, error: str) -> None:
+        """A connect error on real traffic: a breaker failure, and conclusive for health (nothing listens
+        there), so it counts as ``fail_threshold`` failed probes: DOWN at once, its pins move."""
+        controller = self.controllers.get(backend_id)
+        if controller is not None:
+            controller.record_request(False)
+            for _ in range(controller.policy.fail_threshold):
+                controller.send(ProbeFailed(error))
+
+    # -- read side ------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        return {bid: c.status() for bid, c in self.controllers.items()}
+
+    def _mirror(self, backend: Backend) -> Callable[[Lifecycle], None]:
+        def on_change(lc: Lifecycle) -> None:
+            backend.state = lc.state
+            backend.circuit_open = lc.circuit is CircuitState.OPEN
+            self._changed.set()
+
+        return on_change
