@@ -53,7 +53,10 @@ def gateway() -> Iterator[Callable[..., Gw]]:
             )
         from config.settings import load_settings
 
-        settings = load_settings(None, backends=backends, health={"interval_s": 0.2, "timeout_s": 1})
+        # No admission canary: these tests count the requests each engine received.
+        settings = load_settings(
+            None, backends=backends, health={"interval_s": 0.2, "timeout_s": 1}, canary={"enabled": False}
+        )
         app = create_app(settings)
         url, _ = stack.enter_context(serve(app))
         return url, app.state.gateway, sims
@@ -240,7 +243,8 @@ def test_an_answer_cut_at_the_budget_is_continued_without_the_early_stop() -> No
         backends = [{"id": "a", "url": sim.base_url, "models": list(cfg.models), "dialect": "openai"}]
         from config.settings import load_settings
 
-        with serve(create_app(load_settings(None, backends=backends))) as (url, _):
+        settings = load_settings(None, backends=backends, canary={"enabled": False})  # counts requests
+        with serve(create_app(settings)) as (url, _):
             body = {"model": cfg.models[0], "messages": MSGS, "thinking_budget": 5, "max_tokens": 100}
             out = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).json()
     message = out["choices"][0]["message"]
