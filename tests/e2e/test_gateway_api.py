@@ -117,7 +117,8 @@ def test_completions_follow_their_prompt(
 def test_engine_400_passes_through(
     affinity_gateway: RunningGateway, vllm_engines: list[VllmEngine], stream: bool
 ) -> None:
-    """vLLM refuses `reasoning_effort: "bogus"`; the client gets that 400, and the gateway lets go of it."""
+    """vLLM refuses a negative temperature (a field the gateway does not own); the client gets that 400, and
+    the gateway lets go of it. (A bogus `reasoning_effort` is the gateway's own 400 now: test_gateway_budgets.)"""
     client = affinity_gateway.client()
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
@@ -125,12 +126,12 @@ def test_engine_400_passes_through(
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=4,
             stream=stream,
-            extra_body={"reasoning_effort": "bogus"},
+            temperature=-1.0,
         )
     err = caught.value
     assert err.status_code == 400
     assert err.response.headers.get(BACKEND_HEADER) in {e.name for e in vllm_engines}, "not the engine's 400"
-    assert "reasoning_effort" in str(err.body) or "bogus" in str(err.body), err.body
+    assert "temperature" in str(err.body), err.body
     assert affinity_gateway.wait_idle() == 0, "in-flight count leaked"
     backends = affinity_gateway.gateway.registry.backends
     assert {b.state.value for b in backends.values()} == {"ready"}, "a 400 must not mark an engine down"
