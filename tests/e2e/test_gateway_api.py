@@ -118,7 +118,7 @@ def test_engine_400_passes_through(
     affinity_gateway: RunningGateway, vllm_engines: list[VllmEngine], stream: bool
 ) -> None:
     """vLLM refuses a negative temperature (a field the gateway does not own); the client gets that 400, and
-    the gateway lets go of it. (A bogus `reasoning_effort` is the gateway's own 400 now: test_gateway_budgets.)"""
+    the gateway lets go of it. A bogus `reasoning_effort` is the gateway's own 400 (test_gateway_budgets)."""
     client = affinity_gateway.client()
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
