@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from starlette.types import Receive, Send
@@ -266,24 +266,49 @@ class Proxy:
     # -- relay ----------------------------------------------------------------------------------------
 
     async def _relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        assert ctx.lease is not None and ctx.task is not None
-        backend = ctx.lease.backend.id
-        sse, head = response_head(upstream, backend, ctx.reason)
+        assert ctx.lease is not None
+        sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
         chunks = upstream.aiter_raw()
         if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
             head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
         ctx.responded = True
         await send(head)
+        error = await self._pump(ctx, chunks, send, self._guard_for(ctx, sse))
+        if error is None:
+            ctx.outcome = _answered(upstream.status)
+            ctx.finishing = True
+            await send(body(b"", more=False))
+            return
+        ctx.outcome = RequestOutcome.MID_STREAM_ERROR
+        if sse:
+            ctx.finishing = True
+            await send(sse_error(error))
+        else:
+            # A non-streamed body's status line is gone: returning without finishing makes the server close
+            # the connection, which is the only honest signal left.
+            log.warning("%s; closing the client connection", error.message)
+
+    async def _pump(
+        self, ctx: RequestContext, chunks: AsyncIterator[bytes], send: Send, guard: StreamGuard | None
+    ) -> UpstreamError | None:
+        """Stream the body through; None when it ended properly, else why it ended early.
+
+        Engine silence is timed (``read_s``), the client's reading is not; ``request_s`` bounds the whole.
+        """
+        assert ctx.lease is not None and ctx.task is not None
+        backend = ctx.lease.backend.id
         loop = asyncio.get_running_loop()
         watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
-        guard, ended = self._guard_for(ctx, sse), False
         try:
             async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
                 if guard is not None and guard.feed(chunk) and self._tripped(backend, guard):
-                    ended = True  # the guard's action is to end it: the tripping chunk is not sent
-                    break
+                    # The guard's action is to end it (the tripping chunk is not sent); the engine answered,
+                    # so this is no breaker failure.
+                    return UpstreamError(
+                        f"backend {backend} output degenerated: {guard.unit()!r} repeated; stream ended"
+                    )
                 watch.sending = True
                 await send(body(chunk, more=True))
                 watch.chunk_sent()
@@ -299,29 +324,13 @@ class Proxy:
             log.warning("backend %s broke mid-response: %s", backend, exc)
             error = UpstreamError(f"backend {backend} failed mid-stream (the connection broke)")
         else:
-            if not ended:
-                ctx.outcome = _answered(upstream.status)
-                ctx.finishing = True
-                await send(body(b"", more=False))
-                return
-            assert guard is not None
-            error = UpstreamError(
-                f"backend {backend} output degenerated: {guard.unit()!r} repeated; stream ended"
-            )
+            return None
         finally:
             watch.cancel()
             if guard is not None and guard.finish:
                 self.metrics.finished(backend, guard.finish)
-        if not ended:
-            self.feed.outcome(backend, False)  # the engine broke or went silent mid-answer
-        ctx.outcome = RequestOutcome.MID_STREAM_ERROR
-        if sse:
-            ctx.finishing = True
-            await send(sse_error(error))
-        else:
-            # A non-streamed body's status line is gone: returning without finishing makes the server close
-            # the connection, which is the only honest signal left.
-            log.warning("%s; closing the client connection", error.message)
+        self.feed.outcome(backend, False)  # the engine broke or went silent mid-answer
+        return error
 
     def _guard_for(self, ctx: RequestContext, sse: bool) -> StreamGuard | None:
         if self.guard is None:
