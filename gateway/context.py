@@ -49,6 +49,10 @@ class RequestContext:
     client_gone: bool = False
     finishing: bool = False  # the last body message is being sent: a disconnect now is normal
 
+    def remaining(self, request_s: float) -> float:
+        """Seconds left of the whole-request budget ``request_s`` (negative once it is spent)."""
+        return request_s - (time.monotonic() - self.started_at)
+
     @property
     def backend(self) -> Backend | None:
         return None if self.lease is None else self.lease.backend

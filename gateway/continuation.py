@@ -102,9 +102,7 @@ class Continuation:
         Engine silence and the request deadline are timed as on the proxy's own relay (``SilenceWatch``).
         """
         assert ctx.body is not None and ctx.task is not None
-        loop = asyncio.get_running_loop()
-        remaining = self.timeouts.request_s - (time.monotonic() - ctx.started_at)
-        watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + remaining)
+        watch = SilenceWatch.for_request(ctx, self.timeouts)
 
         async def timed_send(message: Message) -> None:
             watch.sending = True  # a slow client is not a silent engine

@@ -219,7 +219,7 @@ class Proxy:
                 await step.prepare(ctx, backend, draft)
             payload = draft.payload(ctx.raw)
         headers = upstream_headers(ctx.headers, backend.cfg.api_key)
-        budget = min(self.timeouts.first_byte_s, self._remaining(ctx))
+        budget = min(self.timeouts.first_byte_s, ctx.remaining(self.timeouts.request_s))
         try:
             async with asyncio.timeout(budget):
                 response = await self.transport.request(
@@ -297,8 +297,7 @@ class Proxy:
         """
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
-        loop = asyncio.get_running_loop()
-        watch = SilenceWatch(ctx.task, self.timeouts.read_s, loop.time() + self._remaining(ctx))
+        watch = SilenceWatch.for_request(ctx, self.timeouts)
         try:
             async for chunk in chunks:
                 if ctx.first_byte_at is None:
@@ -361,9 +360,6 @@ class Proxy:
         )
         if lease is not None:
             lease.release()  # last: once in-flight reads zero, the request is fully accounted for
-
-    def _remaining(self, ctx: RequestContext) -> float:
-        return self.timeouts.request_s - (time.monotonic() - ctx.started_at)
 
     def _routable(self, backend_id: str) -> bool:
         b = self.registry.backends.get(backend_id)

@@ -10,6 +10,8 @@ from enum import StrEnum
 
 from starlette.types import Message, Send
 
+from config.settings import TimeoutConfig
+from gateway.context import RequestContext
 from gateway.errors import GatewayError
 from gateway.transport import TransportResponse
 from routing.types import Reason
@@ -61,6 +63,13 @@ class SilenceWatch:
         self.sending = False
         self.fired: Expiry | None = None
         self._handle = self._loop.call_at(min(deadline, self.last + read_s), self._check)
+
+    @classmethod
+    def for_request(cls, ctx: RequestContext, timeouts: TimeoutConfig) -> SilenceWatch:
+        """The watch of ``ctx``'s relay: ``read_s`` of engine silence, ``request_s`` since it arrived."""
+        assert ctx.task is not None
+        deadline = asyncio.get_running_loop().time() + ctx.remaining(timeouts.request_s)
+        return cls(ctx.task, timeouts.read_s, deadline)
 
     def chunk_sent(self) -> None:
         self.sending = False
