@@ -22,6 +22,7 @@ from routing.types import Reason
 
 if TYPE_CHECKING:
     from gateway.budgets import Thinking
+    from gateway.observe import ResponseTap
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class RequestContext:
     upstream: TransportResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
     outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR
     first_byte_at: float | None = None
+    tap: ResponseTap | None = None  # what the relay saw, for the observers (gateway/observe.py)
     responded: bool = False  # the response head went to the client
     client_gone: bool = False
     finishing: bool = False  # the last body message is being sent: a disconnect now is normal

@@ -42,6 +42,7 @@ from gateway.errors import (
 )
 from gateway.guard import StreamGuard
 from gateway.metrics import Metrics
+from gateway.observe import Observation, Observer, ResponseTap
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.relay import Expiry, SilenceWatch, body, response_head, send_error, sse_error
 from gateway.state import AffinityStore, StoreView
@@ -98,6 +99,7 @@ class Proxy:
         transport: UpstreamTransport,
         steps: Sequence[PrepareStep] = (),
         guard: GuardConfig | None = None,
+        observers: Sequence[Observer] = (),
     ) -> None:
         self.registry = registry
         self.store = store
@@ -107,6 +109,7 @@ class Proxy:
         self.timeouts = timeouts
         self.transport = transport
         self.steps = tuple(steps)
+        self.observers = tuple(observers)  # told what each answered request looked like, in finish
         self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
         self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
 
@@ -272,6 +275,8 @@ class Proxy:
         if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
             head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
         ctx.responded = True
+        if self.observers:
+            ctx.tap = ResponseTap()
         await send(head)
         error = await self._pump(ctx, chunks, send, self._guard_for(ctx, sse))
         if error is None:
@@ -298,10 +303,13 @@ class Proxy:
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
         watch = SilenceWatch.for_request(ctx, self.timeouts)
+        tap = ctx.tap
         try:
             async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
+                if tap is not None:
+                    tap.feed(chunk)
                 if guard is not None and guard.feed(chunk) and self._tripped(backend, guard):
                     # The guard's action is to end it (the tripping chunk is not sent); the engine answered,
                     # so this is no breaker failure.
@@ -359,7 +367,31 @@ class Proxy:
             NO_BACKEND_LABEL if lease is None else lease.backend.id, ctx.outcome, duration, first_byte
         )
         if lease is not None:
+            if self.observers:
+                self._observe(ctx, lease.backend.id, duration, first_byte)
             lease.release()  # last: once in-flight reads zero, the request is fully accounted for
+
+    def _observe(self, ctx: RequestContext, backend: str, duration: float, first_byte: float | None) -> None:
+        tap, upstream = ctx.tap, ctx.upstream
+        obs = Observation(
+            backend=backend,
+            model=ctx.model,
+            key=ctx.key,
+            reason=ctx.reason,
+            outcome=ctx.outcome,
+            status=0 if upstream is None else upstream.status,
+            streamed=tap is not None and tap.events > 0,
+            duration_s=duration,
+            first_byte_s=first_byte,
+            events=0 if tap is None else tap.events,
+            body_bytes=0 if tap is None else tap.body_bytes,
+            usage=None if tap is None else tap.usage(),
+        )
+        for observer in self.observers:
+            try:
+                observer.observe(obs)
+            except Exception:  # an observer's defect must not break the request's accounting
+                log.exception("observer %r failed", observer)
 
     def _routable(self, backend_id: str) -> bool:
         b = self.registry.backends.get(backend_id)
