@@ -66,6 +66,9 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: the health probes and canaries would fill the log each interval.
+    # Their failures reach our own log through the lifecycle; httpx's own warnings still show.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if ns.config:
         os.environ["WARMROUTE_CONFIG_FILE"] = os.path.abspath(ns.config)
     # Our Config subclass carries the inbound limits (header/body deadlines, head size, connection cap).
