@@ -20,9 +20,11 @@ import pytest
 import yaml
 
 from compose_model import (
+    COMPOSE_DIR,
     DOCKERFILES,
     ENV_EXAMPLE,
     GATEWAY_CONFIG,
+    PENDING_PATHS,
     ROOT,
     bind_mounts,
     compose,
@@ -78,8 +80,8 @@ def test_every_reference_names_a_defined_service_network_or_volume() -> None:
 def test_every_bind_mount_exists() -> None:
     for name, service in services(compose()).items():
         for target, source in bind_mounts(service).items():
-            if name.startswith("engine-") or target in ("/models",):
-                continue  # the operator's model folder (MODELS_DIR), not part of the repository
+            if target == "/models":
+                continue  # the operator's model weights (MODELS_DIR), not part of the repository
             why = pending_path(source)
             if why is not None and not source.exists():
                 pending(f"{source.relative_to(ROOT)} is not on this branch: {why}")
@@ -112,8 +114,8 @@ def test_gateway_environment_names_real_settings_fields() -> None:
 
 def test_ports_and_addresses_agree_across_the_stack() -> None:
     model = compose()
-    haproxy = (ROOT / "config/compose/haproxy.cfg").read_text()
-    prometheus = yaml.safe_load((ROOT / "config/compose/prometheus.yml").read_text())
+    haproxy = (COMPOSE_DIR / "haproxy.cfg").read_text()
+    prometheus = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
     targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
     for name, service in gateway_services(model).items():
         config = yaml.safe_load(bind_mounts(service)[GATEWAY_CONFIG].read_text())
@@ -139,6 +141,36 @@ def test_ports_and_addresses_agree_across_the_stack() -> None:
                 assert f"{host}:{port_text}" in targets, f"Prometheus does not scrape {host}"
     published = services(model)["lb"]["ports"][0].rsplit(":", 1)[1]
     assert re.search(rf"^\s*bind :{published}$", haproxy, re.M), "published port != balancer port"
+    lb_health = re.search(r"127\.0\.0\.1:(\d+)/", " ".join(services(model)["lb"]["healthcheck"]["test"]))
+    assert lb_health and re.search(rf"^\s*bind :{lb_health[1]}$", haproxy, re.M), "lb health port unbound"
+    for name in ("prometheus", "grafana"):
+        service = services(model)[name]
+        container_port = service["ports"][0].rsplit(":", 1)[1]
+        assert f"127.0.0.1:{container_port}/" in " ".join(service["healthcheck"]["test"]), name
+        assert service["ports"][0].startswith("127.0.0.1:"), f"{name} published beyond loopback"
+
+
+def test_grafana_provisioning_points_at_the_stack() -> None:
+    model = compose()
+    grafana = services(model)["grafana"]
+    mounts = bind_mounts(grafana)
+    if not all(source.exists() for source in mounts.values()):
+        pending(f"Grafana provisioning not checked: {PENDING_PATHS['config/grafana']}")
+        pytest.skip("config/grafana is not on this branch yet")
+    datasources = [
+        d
+        for f in mounts["/etc/grafana/provisioning/datasources"].glob("*.y*ml")
+        for d in yaml.safe_load(f.read_text())["datasources"]
+    ]
+    assert [d["url"] for d in datasources if d["type"] == "prometheus"] == ["http://prometheus:9090"]
+    providers = [
+        p
+        for f in mounts["/etc/grafana/provisioning/dashboards"].glob("*.y*ml")
+        for p in yaml.safe_load(f.read_text())["providers"]
+    ]
+    dashboards = next(t for t in mounts if t.startswith("/var/lib/grafana/dashboards"))
+    assert [p["options"]["path"] for p in providers] == [dashboards]
+    assert list(mounts[dashboards].glob("*.json")), "no dashboard JSON in the mounted folder"
 
 
 def test_images_pinned_health_checked_and_restarts_bounded() -> None:
@@ -157,7 +189,7 @@ def test_images_pinned_health_checked_and_restarts_bounded() -> None:
 
 def test_engines_have_the_flags_the_design_needs() -> None:
     model = compose()
-    config = yaml.safe_load((ROOT / "config/compose/gateway.gpu.yaml").read_text())
+    config = yaml.safe_load((COMPOSE_DIR / "gateway.gpu.yaml").read_text())
     vision = {b["id"]: b.get("vision", "native") for b in config["backends"]}
     for name in ("engine-a", "engine-b"):
         service = services(model)[name]
@@ -191,7 +223,7 @@ def test_secrets_only_through_the_environment() -> None:
         text = path.read_text()
         assert not re.search(r"(?i)(token|secret|password|api_key)\s*=", text), path.name
     for name in ("gateway.gpu.yaml", "gateway.sim.yaml"):
-        data = yaml.safe_load((ROOT / "config/compose" / name).read_text())
+        data = yaml.safe_load((COMPOSE_DIR / name).read_text())
         assert "admin" not in data and "auth" not in data, f"{name}: secrets belong in .env"
 
 
@@ -240,6 +272,6 @@ def test_haproxy_config_is_valid() -> None:
     if shutil.which("haproxy") is None:
         pytest.skip("haproxy not installed (apt-get install haproxy)")
     done = subprocess.run(
-        ["haproxy", "-c", "-f", str(ROOT / "config/compose/haproxy.cfg")], capture_output=True, text=True
+        ["haproxy", "-c", "-f", str(COMPOSE_DIR / "haproxy.cfg")], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -36,6 +36,7 @@ from tools import procs
 from tools.redis_server import find_binary
 
 from compose_model import (
+    COMPOSE_DIR,
     ENV_EXAMPLE,
     GATEWAY_CONFIG,
     ROOT,
@@ -78,7 +79,7 @@ class Running:
 
 def container_ports(name: str, service: dict[str, Any]) -> list[int]:
     if name == "lb":  # HAProxy: the ports its config binds
-        text = (ROOT / "config/compose/haproxy.cfg").read_text()
+        text = (COMPOSE_DIR / "haproxy.cfg").read_text()
         return [int(p) for p in re.findall(r"^\s*bind :(\d+)$", text, re.M)]
     return [listen_port(name, service)]
 
