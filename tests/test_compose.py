@@ -143,6 +143,10 @@ def test_ports_and_addresses_agree_across_the_stack() -> None:
     assert re.search(rf"^\s*bind :{published}$", haproxy, re.M), "published port != balancer port"
     lb_health = re.search(r"127\.0\.0\.1:(\d+)/", " ".join(services(model)["lb"]["healthcheck"]["test"]))
     assert lb_health and re.search(rf"^\s*bind :{lb_health[1]}$", haproxy, re.M), "lb health port unbound"
+    for name, service in services(model).items():  # a health check asks the port the service listens on
+        port_flag = flag([str(a) for a in service.get("command", [])], "--port")
+        if port_flag is not None:
+            assert f"127.0.0.1:{port_flag}/" in " ".join(service["healthcheck"]["test"]), name
     for name in ("prometheus", "grafana"):
         service = services(model)[name]
         container_port = service["ports"][0].rsplit(":", 1)[1]
