@@ -183,8 +183,9 @@ def test_images_pinned_health_checked_and_restarts_bounded() -> None:
     for name, service in services(model).items():
         image = service["image"]
         assert re.fullmatch(r"[\w./-]+:v?\d+(\.\d+)+(-[\w.]+)?", image), f"{name}: {image} not pinned"
-        if image.startswith("warmroute/"):
+        if image.startswith("warmroute/"):  # ours: built from this checkout, never pulled
             assert image in built, f"{name}: no service builds {image}"
+            assert service.get("pull_policy") == "build" and "build" in service, name
         assert service.get("healthcheck", {}).get("test"), f"{name}: no health check"
         restart = service.get("restart", "no")
         assert restart == "no" or re.fullmatch(r"on-failure:[1-5]", restart), f"{name}: restart {restart}"
