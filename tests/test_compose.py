@@ -146,7 +146,8 @@ def test_ports_and_addresses_agree_across_the_stack() -> None:
     for name, service in services(model).items():  # a health check asks the port the service listens on
         port_flag = flag([str(a) for a in service.get("command", [])], "--port")
         if port_flag is not None:
-            assert f"127.0.0.1:{port_flag}/" in " ".join(service["healthcheck"]["test"]), name
+            check = " ".join(service["healthcheck"]["test"])
+            assert f"127.0.0.1:{port_flag}/" in check or f"-p {port_flag} " in check, name
     for name in ("prometheus", "grafana"):
         service = services(model)[name]
         container_port = service["ports"][0].rsplit(":", 1)[1]
