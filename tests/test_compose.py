@@ -259,6 +259,32 @@ def test_dockerfile_rule_set(which: str) -> None:
         assert not re.search(r"(?i)cuda|nvidia", " ".join(ln for s in built for ln in s))
 
 
+@pytest.mark.parametrize("which", sorted(DOCKERFILES))
+def test_dockerfile_copies_only_what_the_build_context_holds(which: str) -> None:
+    """Every COPY source exists and passes .dockerignore (or the build fails); nothing else is sent."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    allowed = {p.removeprefix("!").rstrip("/") for p in patterns if p.startswith("!")}
+    for line in (ln for stage in stages(DOCKERFILES[which]) for ln in stage):
+        if line.startswith("COPY ") and "--from=" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: no such file"
+                assert source.rstrip("/") in allowed, f"COPY {source}: excluded by .dockerignore"
+
+
+def test_images_listen_where_the_compose_file_looks() -> None:
+    model = compose()
+    gateway, vision = (stages(DOCKERFILES[w])[-1] for w in ("gateway", "vision"))
+    assert json.loads(next(ln for ln in gateway if ln.startswith("CMD "))[4:])[-1] == GATEWAY_CONFIG
+    for name, service in gateway_services(model).items():
+        assert flag(service["command"], "--config") == GATEWAY_CONFIG, name
+        assert f"EXPOSE {listen_port(name, service)}" in gateway, name
+    assert f"EXPOSE {listen_port('vision', services(model)['vision'])}" in vision
+    for stage, port in ((gateway, 8080), (vision, 8490)):
+        health = next(ln for ln in stage if ln.startswith("HEALTHCHECK "))
+        assert f"127.0.0.1:{port}/" in health and f"EXPOSE {port}" in stage
+
+
 def hadolint_binary() -> str | None:
     beside = Path(sys.executable).parent / "hadolint"
     return shutil.which("hadolint") or (str(beside) if beside.exists() else None)

@@ -60,6 +60,7 @@ NOT_STARTED = {
 IMAGE_COMMANDS = {"haproxy": ["haproxy", "-f", "/usr/local/etc/haproxy/haproxy.cfg"]}
 START_TIMEOUT_S = 60.0  # several Python processes importing at once on a busy 2-core machine
 MODEL = "qwen-vl"
+VENV_ENV = "COMPOSE_STACK_VENV"
 
 
 @dataclass
@@ -91,10 +92,19 @@ def localize(text: str, addresses: dict[tuple[str, int], int]) -> str:
     return text
 
 
+def warmroute() -> str:
+    """The ``warmroute`` console script the image's ENTRYPOINT runs: this venv's, or the one of the venv in
+    $COMPOSE_STACK_VENV (e.g. one built as the Dockerfile builds /opt/venv, to run this test against it)."""
+    venv = os.environ.get(VENV_ENV)
+    script = Path(venv) / "bin" / "warmroute" if venv else Path(sys.executable).parent / "warmroute"
+    assert script.exists(), f"no console script {script}"
+    return str(script)
+
+
 def local_argv(argv: list[str], ports: dict[int, int], files: dict[str, Path]) -> list[str]:
     """The container's argv for this machine: our executables, loopback, local ports and files."""
     out = [str(a) for a in argv]
-    executables = {"warmroute": [sys.executable, "-m", "gateway.cli"], "redis-server": [find_binary() or ""]}
+    executables = {"warmroute": [warmroute()], "redis-server": [find_binary() or ""]}
     executables["haproxy"] = [shutil.which("haproxy") or ""]
     out = [*executables.get(out[0], [out[0]]), *out[1:]]
     for i, arg in enumerate(out[:-1]):
