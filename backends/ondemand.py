@@ -469,14 +469,24 @@ def _make_room(
     if all(s.engines[m.id].held(now) for m in running):
         holder = min(running, key=lambda m: s.engines[m.id].hold_until or 0.0)
         return s, [], Room.HELD, _hold_message(spec, holder, s.engines[holder.id], now)
-    busy_ready = [m for m in ready if not _idle(s, m.id, busy) and not s.engines[m.id].held(now)]
-    return s, [EvictionRefused(m.id) for m in busy_ready], Room.FULL, ""
+    # Counted as refused: members that only their requests in flight protect (not a hold, not residency).
+    refused = [
+        m for m in ready if _evictable(s, m, now, group, {}, ignore_claims=True) and not _idle(s, m.id, busy)
+    ]
+    return s, [EvictionRefused(m.id) for m in refused], Room.FULL, ""
 
 
-def _evictable(s: Schedule, m: EngineSpec, now: float, group: GroupSpec, busy: Mapping[str, int]) -> bool:
+def _evictable(
+    s: Schedule,
+    m: EngineSpec,
+    now: float,
+    group: GroupSpec,
+    busy: Mapping[str, int],
+    ignore_claims: bool = False,
+) -> bool:
     e = s.engines[m.id]
     resident = e.ready_at is not None and now - e.ready_at >= group.min_residency_s
-    return resident and _idle(s, m.id, busy) and not e.held(now)
+    return resident and (ignore_claims or _idle(s, m.id, busy)) and not e.held(now)
 
 
 def _hold_message(spec: EngineSpec, holder: EngineSpec, e: Engine, now: float) -> str:
