@@ -3,9 +3,9 @@ actions (start/stop an engine, admit/reject a waiter) executed on the backends' 
 
 One writer again: every event goes through ``_send``, which applies ``ondemand.decide`` and executes what
 comes out; events sent meanwhile (a lifecycle change caused by an action) are queued and applied in order.
-Engines are woken and put to sleep through their ``BackendController`` (lifecycle ``Wake``/``Sleep``), so the state
-the admin API shows stays the lifecycle's; a stop is reported back (``Stopped``) once the supervisor's stop
-(stop command, SIGTERM, SIGKILL after ``stop_timeout_s``) has finished.
+Engines are woken and put to sleep through their ``BackendController`` (lifecycle ``Wake``/``Sleep``), so
+the state the admin API shows stays the lifecycle's; a stop is reported back (``Stopped``) once the
+supervisor's stop (stop command, SIGTERM, SIGKILL after ``stop_timeout_s``) has finished.
 """
 
 from __future__ import annotations
