@@ -91,6 +91,36 @@ class Claim:
             self._release(self.engine)
 
 
+@dataclass(slots=True)
+class Pending:
+    """One queued request. ``claim()`` waits for its admission; ``abandon()`` (its client left) takes it out
+    of the queue or gives an admission back. Cancelling ``claim()`` abandons it."""
+
+    demand: Demand
+    ticket: int
+    model: str
+    arrived: float
+    future: asyncio.Future[str]
+    abandoned: bool = False
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    async def claim(self) -> Claim:
+        try:
+            engine = await asyncio.shield(self.future)
+        except asyncio.CancelledError:
+            self.abandon()
+            raise
+        d = self.demand
+        return Claim(engine, d._clock() - self.arrived, d._release)
+
+    def abandon(self) -> None:
+        if not self.abandoned:
+            self.abandoned = True
+            self.demand._abandon(self)
+
+
 def scheduler_policy(settings: Settings) -> od.SchedulerPolicy:
     specs = tuple(
         od.EngineSpec(b.id, b.models, b.managed.group, b.managed.idle_ttl_s)
@@ -139,24 +169,19 @@ class Demand:
         """Is ``model`` served by an on-demand engine (so its requests go through ``ready_for``)?"""
         return model in self._models
 
+    def request(self, model: str) -> Pending:
+        """Queue a request for ``model`` now (it may be admitted or refused at once: ``Pending.done``)."""
+        ticket = next(self._tickets)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        pending = Pending(self, ticket, model, self._clock(), future)
+        self._waiting[ticket] = (future, model, pending.arrived)
+        self._send(od.Arrive(ticket, model))
+        return pending
+
     async def ready_for(self, model: str) -> Claim:
         """Wait until an engine for ``model`` is READY (starting one if needed); raise ``EngineUnavailable``
-        when the scheduler refuses (queue full, held group, failed start, wait timeout). Cancellation (the
-        client left) takes the request out of the queue, or gives its claim back."""
-        ticket, arrived = next(self._tickets), self._clock()
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiting[ticket] = (future, model, arrived)
-        self._send(od.Arrive(ticket, model))
-        try:
-            engine = await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self._send(od.Release(future.result()))
-            elif ticket in self._waiting:
-                del self._waiting[ticket]
-                self._send(od.Leave(ticket))
-            raise
-        return Claim(engine, self._clock() - arrived, self._release)
+        when the scheduler refuses (queue full, held group, failed start, wait timeout)."""
+        return await self.request(model).claim()
 
     def hold(self, engine: str, duration_s: float, reason: str) -> dict[str, Any]:
         """Keep ``engine`` loaded (starting it if stopped) and its group refusing swaps for ``duration_s``.
@@ -302,6 +327,14 @@ class Demand:
 
     def _release(self, engine: str) -> None:
         self._send(od.Release(engine))
+
+    def _abandon(self, pending: Pending) -> None:
+        future = pending.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self._send(od.Release(future.result()))  # admitted, but its client left before using it
+        elif self._waiting.pop(pending.ticket, None) is not None:
+            future.cancel()
+            self._send(od.Leave(pending.ticket))
 
     def _arm(self) -> None:
         if self._timer is not None:
