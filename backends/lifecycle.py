@@ -141,7 +141,7 @@ def transition(lc: Lifecycle, event: Event, now: float, policy: LifecyclePolicy)
         return lc, []
     new, actions = _HANDLERS[type(event)](lc, event, now, policy)
     if (new.state, new.reason) != (lc.state, lc.reason) and not any(isinstance(a, GiveUp) for a in actions):
-        level = logging.WARNING if new.state is S.DOWN else logging.INFO
+        level = logging.WARNING if new.state is S.DOWN and not new.stopped else logging.INFO
         actions.insert(0, Log(level, f"{lc.state} -> {new.state}: {new.reason}"))
     return new, actions
 

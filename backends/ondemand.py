@@ -494,7 +494,7 @@ def _hold_message(spec: EngineSpec, holder: EngineSpec, e: Engine, now: float) -
     why = f" ({e.hold_reason})" if e.hold_reason else ""
     return (
         f"backend {spec.id} cannot start: group {spec.group!r} is held by backend {holder.id}{why} "
-        f"for another {left:.0f} s"
+        f"for another {_seconds(left)} s"
     )
 
 
@@ -522,6 +522,11 @@ def _stop_idle(s: Schedule, now: float, p: SchedulerPolicy, busy: Mapping[str, i
             continue
         if now - e.last_used >= spec.idle_ttl_s:
             s = _put(s, spec.id, replace(e, phase=Phase.STOPPING, since=now, ready_at=None))
-            detail = f"idle for {now - e.last_used:.0f} s (idle_ttl_s {spec.idle_ttl_s:g})"
+            detail = f"idle for {_seconds(now - e.last_used)} s (idle_ttl_s {spec.idle_ttl_s:g})"
             actions.append(Stop(spec.id, StopWhy.IDLE, detail))
     return s, actions
+
+
+def _seconds(x: float) -> str:
+    """0.5 -> "0.5", 30.0 -> "30": one decimal at most."""
+    return f"{x:.1f}".rstrip("0").rstrip(".")

@@ -31,7 +31,7 @@ OD = LifecyclePolicy(managed=True, on_demand=True, start_timeout_s=60.0, grace_s
 
 def stopped() -> Lifecycle:
     lc, actions = transition(Lifecycle(), ConfigAdded(), 0.0, OD)
-    assert actions == [Log(30, "starting -> down: stopped (on demand): starts on a request")]
+    assert actions == [Log(20, "starting -> down: stopped (on demand): starts on a request")]  # INFO
     return lc
 
 
