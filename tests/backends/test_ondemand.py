@@ -73,7 +73,7 @@ def pair(max_running: int = 1, residency: float = 0.0, ttl: float | None = None)
     )
 
 
-# -- start on first request --------------------------------------------------------------------------------
+# -- start on first request ----------------------------------------------------------------------------------
 
 
 def test_the_first_request_starts_the_engine_and_is_admitted_when_it_is_ready() -> None:
@@ -112,7 +112,7 @@ def test_unknown_engines_and_tickets_change_nothing() -> None:
     assert d.s == before
 
 
-# -- failed starts ---------------------------------------------------------------------------------------------
+# -- failed starts -------------------------------------------------------------------------------------------
 
 
 def test_a_failed_start_stops_the_engine_and_answers_every_waiter_with_the_cause() -> None:
@@ -192,7 +192,7 @@ def test_no_ttl_means_the_engine_stays_up() -> None:
     assert d(Tick(), 1e6) == []
 
 
-# -- exclusive groups -----------------------------------------------------------------------------------------
+# -- exclusive groups ----------------------------------------------------------------------------------------
 
 
 def test_a_group_of_two_swaps_when_the_running_member_is_idle() -> None:
@@ -295,7 +295,7 @@ def test_a_stopping_member_holds_its_slot_until_stopped() -> None:
     assert d(Stopped("a"), 6.0) == [Start("b")]
 
 
-# -- holds ---------------------------------------------------------------------------------------------------------
+# -- holds ---------------------------------------------------------------------------------------------------
 
 
 def test_a_hold_keeps_the_engine_and_the_other_model_is_rejected_naming_it() -> None:
@@ -350,7 +350,7 @@ def test_holding_a_stopped_engine_starts_it_and_evicts_an_idle_member() -> None:
     assert d(Arrive(2, "mb"), 4.0)[0].why is RejectWhy.HELD  # type: ignore[union-attr]
 
 
-# -- bounds ----------------------------------------------------------------------------------------------------------
+# -- bounds --------------------------------------------------------------------------------------------------
 
 
 def test_a_full_queue_rejects_at_once_with_a_retry_after() -> None:

@@ -101,7 +101,7 @@ async def gateway(backends: list[dict[str, Any]], **overrides: Any) -> AsyncIter
 async def eventually(predicate: Callable[[], bool], within: float = WITHIN) -> None:
     """For what announces nothing (a request joining or leaving the queue): a poll with a deadline."""
     async with asyncio.timeout(within):
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
 
@@ -127,7 +127,7 @@ async def metric(c: httpx.AsyncClient, url: str, name: str, **labels: str) -> fl
     return 0.0
 
 
-# -- start on the first request ---------------------------------------------------------------------------
+# -- start on the first request ------------------------------------------------------------------------------
 
 
 async def test_the_first_request_starts_the_engine_and_succeeds() -> None:
@@ -182,7 +182,7 @@ async def test_a_waiting_stream_gets_keepalive_comments_then_the_whole_answer() 
         accounted(gw)
 
 
-# -- idle TTL ---------------------------------------------------------------------------------------------------
+# -- idle TTL ------------------------------------------------------------------------------------------------
 
 
 async def test_idle_ttl_stops_the_engine_and_status_says_so() -> None:
@@ -206,7 +206,7 @@ async def test_idle_ttl_stops_the_engine_and_status_says_so() -> None:
         accounted(gw)
 
 
-# -- groups -------------------------------------------------------------------------------------------------------
+# -- groups --------------------------------------------------------------------------------------------------
 
 
 def exited_at(gw: Gateway, bid: str) -> float:
@@ -311,7 +311,7 @@ async def test_alternating_traffic_is_batched_and_does_not_thrash_below_the_resi
         accounted(gw)
 
 
-# -- holds --------------------------------------------------------------------------------------------------------
+# -- holds ---------------------------------------------------------------------------------------------------
 
 
 async def test_a_hold_keeps_the_engine_and_the_other_model_gets_503_naming_it() -> None:
@@ -340,7 +340,7 @@ async def test_a_hold_keeps_the_engine_and_the_other_model_gets_503_naming_it() 
 async def test_the_hold_header_holds_the_engine_when_enabled() -> None:
     backends, extra = pair()
     async with (
-        gateway(backends, on_demand={"hold_header": True}, **extra) as (url, gw),
+        gateway(backends, on_demand={"hold_header": True}, **extra) as (url, _gw),
         httpx.AsyncClient(timeout=WITHIN) as c,
     ):
         r = await c.post(url + "/v1/chat/completions", json=chat("ma"), headers={"x-warmroute-hold": "60"})
@@ -351,7 +351,7 @@ async def test_the_hold_header_holds_the_engine_when_enabled() -> None:
         )
 
 
-# -- failures and bounds ------------------------------------------------------------------------------------------
+# -- failures and bounds -------------------------------------------------------------------------------------
 
 
 async def test_a_failing_start_command_answers_every_waiting_request_with_its_cause() -> None:
@@ -366,7 +366,10 @@ async def test_a_failing_start_command_answers_every_waiting_request_with_its_ca
 
         plain = [c.post(url + "/v1/chat/completions", json=chat("ma")) for _ in range(2)]
         *replies, (stream_status, stream_text) = await asyncio.gather(*plain, streamed())
-        cause = "backend a failed to start: engine process exited with code 3; last output: cannot load the weights"
+        cause = (
+            "backend a failed to start: engine process exited with code 3; "
+            "last output: cannot load the weights"
+        )
         for r in replies:
             assert r.status_code == 503
             assert r.json()["error"] == {
