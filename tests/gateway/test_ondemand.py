@@ -264,10 +264,9 @@ async def test_a_group_swaps_on_demand_and_never_while_a_stream_is_in_flight() -
         (stream_finished,) = [at for model, at in finished if model == "ma"]
         assert stream_finished <= a_stopped <= tl.times("b", S.STARTING)[0] <= b_ready
         print(
-            f"\nsim swap timeline (from the stream's end, which the swap waited for): a stopped "
-            f"+{a_stopped - stream_end:.3f}s, b ready +{b_ready - stream_end:.3f}s, b answered "
-            f"(non-streamed, 8 tokens) at +{time.monotonic() - stream_end:.3f}s; stream took "
-            f"{stream_end - arrival:.3f}s"
+            f"\nsim swap held back by a stream: stream finished at the gateway {stream_finished - arrival:.3f}s "
+            f"after it arrived; from there a told to stop +{a_stopped - stream_finished:.3f}s, b ready "
+            f"+{b_ready - stream_finished:.3f}s, b answered +{time.monotonic() - stream_finished:.3f}s"
         )
         assert await metric(c, url, "warmroute_ondemand_evictions_refused_total", backend="a") == 1
         assert await metric(c, url, "warmroute_ondemand_swaps_total", group="gpu") == 1
