@@ -250,7 +250,6 @@ async def test_a_group_swaps_on_demand_and_never_while_a_stream_is_in_flight() -
             )
             assert phase(gw, "a") is Phase.READY and phase(gw, "b") is Phase.STOPPED  # eviction refused
             rest = b"".join([chunk async for chunk in chunks])
-            stream_end = time.monotonic()
         text = (first + rest).decode()
         assert text.rstrip().endswith("data: [DONE]") and "event: error" not in text
         assert text.startswith(": waiting for a to start (0 s)\n\n")
@@ -263,10 +262,12 @@ async def test_a_group_swaps_on_demand_and_never_while_a_stream_is_in_flight() -
         a_stopped, b_ready = tl.times("a", S.DOWN)[-1], tl.times("b", S.READY)[0]
         (stream_finished,) = [at for model, at in finished if model == "ma"]
         assert stream_finished <= a_stopped <= tl.times("b", S.STARTING)[0] <= b_ready
+        answered = time.monotonic()
         print(
-            f"\nsim swap held back by a stream: stream finished at the gateway {stream_finished - arrival:.3f}s "
-            f"after it arrived; from there a told to stop +{a_stopped - stream_finished:.3f}s, b ready "
-            f"+{b_ready - stream_finished:.3f}s, b answered +{time.monotonic() - stream_finished:.3f}s"
+            f"\nsim swap held back by a stream: the stream finished at the gateway "
+            f"{stream_finished - arrival:.3f}s after it arrived; from there a told to stop "
+            f"+{a_stopped - stream_finished:.3f}s, b ready +{b_ready - stream_finished:.3f}s, "
+            f"b answered +{answered - stream_finished:.3f}s"
         )
         assert await metric(c, url, "warmroute_ondemand_evictions_refused_total", backend="a") == 1
         assert await metric(c, url, "warmroute_ondemand_swaps_total", group="gpu") == 1
