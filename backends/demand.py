@@ -188,6 +188,8 @@ class Demand:
         Raises ``KeyError`` for an engine that is not on demand. Returns the engine's on-demand status."""
         if engine not in self._s.engines:
             raise KeyError(engine)
+        if not duration_s > 0:
+            raise ValueError(f"a hold lasts more than 0 s, not {duration_s!r}")
         self._send(od.Hold(engine, self._clock() + duration_s, reason))
         log.info("backend %s: held for %g s (%s)", engine, duration_s, reason or "no reason given")
         return self.status(engine)

@@ -109,7 +109,8 @@ class Fleet:
 
     def hold(self, backend_id: str, duration_s: float, reason: str) -> dict[str, Any]:
         """Keep an on-demand engine loaded (start it if stopped) and its group refusing swaps for
-        ``duration_s``; other models of the group get a 503 naming the hold. ``KeyError``: not on demand."""
+        ``duration_s``; other models of the group get a 503 naming the hold. ``KeyError``: not on demand;
+        ``ValueError``: ``duration_s`` not above 0."""
         if self.demand is None:
             raise KeyError(backend_id)
         return self.demand.hold(backend_id, duration_s, reason)

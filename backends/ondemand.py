@@ -23,7 +23,10 @@ request is finished), so nothing is lost between admission and the lease. Rules 
 - Idle TTL: a READY engine with nothing in flight and no request for ``idle_ttl_s`` is stopped.
 - A start that fails (the lifecycle went DOWN before READY: exit, start timeout, failed canary) stops the
   engine (no restart loop behind the waiters' backs) and rejects every request waiting for it with the
-  cause; the next request starts it again. A READY engine that fails is stopped the same way.
+  cause; the next request starts it again. A READY engine that fails (crash, failed probes) is an outage
+  for its lifecycle, which restarts it after its grace period: STARTING again here, nothing stopped (a
+  probe that fails once under load must not kill the requests in flight); if that comes back DOWN as
+  well, it is a failed start.
 - Bounds: at most ``max_waiting`` waiters per model (beyond: rejected at once, with a retry-after); a waiter
   is rejected after ``wait_timeout_s``.
 """
@@ -295,15 +298,18 @@ def _idle(s: Schedule, engine: str, busy: Mapping[str, int]) -> bool:
 
 
 def _failed(s: Schedule, engine: str, cause: str, now: float, p: SchedulerPolicy) -> Result:
-    """A start (or a running engine) failed: stop it, and answer whoever waited for it alone."""
+    """A READY engine that fails is left to its lifecycle (an outage: restarted like any managed engine;
+    its requests in flight keep their claims): STARTING again. A start that fails is stopped, and whoever
+    waited for it alone is answered with the cause."""
     e = s.engines[engine]
-    if e.phase not in (Phase.STARTING, Phase.READY):
+    if e.phase is Phase.READY:
+        return _put(
+            s, engine, replace(e, phase=Phase.STARTING, since=now, ready_at=None, last_error=cause)
+        ), []
+    if e.phase is not Phase.STARTING:
         return s, []
-    was_starting = e.phase is Phase.STARTING
     s = _put(s, engine, replace(e, phase=Phase.STOPPING, since=now, ready_at=None, last_error=cause))
     actions: list[Action] = [Stop(engine, StopWhy.FAILED, cause)]
-    if not was_starting:
-        return s, actions
     kept: list[Waiter] = []
     for w in s.queue:
         alive = [x for x in p.serving(w.model) if s.engines[x.id].phase in (Phase.STARTING, Phase.READY)]

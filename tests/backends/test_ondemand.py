@@ -142,16 +142,23 @@ def test_a_request_arriving_while_the_engine_stops_starts_it_again_once_stopped(
     assert d(Ready("a"), 14.0) == [Admit(2, "a")]
 
 
-def test_a_ready_engine_that_fails_is_stopped_and_later_requests_start_it_again() -> None:
+def test_a_ready_engine_that_fails_is_left_to_its_lifecycle_and_a_failed_recovery_stops_it() -> None:
     d = Driver(one())
     d(Arrive(1, "ma"), 0.0)
     d.up("a", 1.0)
-    assert d(Failed("a", "engine process was killed by signal 9"), 2.0) == [
-        Stop("a", StopWhy.FAILED, "engine process was killed by signal 9")
+    assert d(Failed("a", "health probe failed: timed out"), 2.0) == []  # no stop: request 1 is in flight
+    assert (d.phase("a"), d.s.engines["a"].claims) == (P.STARTING, 1)
+    assert d(Arrive(2, "ma"), 2.5) == []  # waits for the recovery
+    assert d(Ready("a"), 3.0) == [Admit(2, "a")]  # it came back
+    d(Failed("a", "engine process was killed by signal 9"), 4.0)
+    assert d(Arrive(3, "ma"), 4.5) == []
+    assert d(Failed("a", "engine process exited with code 1"), 5.0) == [  # the restart failed too
+        Stop("a", StopWhy.FAILED, "engine process exited with code 1"),
+        Reject(3, RejectWhy.START_FAILED, "backend a failed to start: engine process exited with code 1"),
     ]
-    assert d(Failed("a", "again"), 2.1) == []  # stopping already
-    d(Stopped("a"), 3.0)
-    assert d(Arrive(2, "ma"), 4.0) == [Start("a")]
+    assert d(Failed("a", "again"), 5.1) == []  # stopping already
+    d(Stopped("a"), 6.0)
+    assert d(Arrive(4, "ma"), 7.0) == [Start("a")]
 
 
 # -- idle TTL ------------------------------------------------------------------------------------------------
