@@ -208,9 +208,8 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         # codes, last output lines); anyone else gets ids, states and a short reason, no URLs or output.
         backends = readyz_backends(gw.fleet.status(), _is_loopback(request.client and request.client.host))
         shared = gw.store.status()
-        ready = (
-            gw.registry.any_ready() or gw.fleet.startable()
-        )  # stopped on-demand engines start on a request
+        # Stopped on-demand engines start on a request: a gateway fronting only those is ready.
+        ready = gw.registry.any_ready() or gw.fleet.startable()
         body = {
             "ready": ready,
             "backends": backends,
