@@ -411,3 +411,15 @@ async def test_a_full_queue_is_a_503_with_retry_after_and_leavers_leave_the_queu
         await asyncio.gather(*waiting, return_exceptions=True)
         await eventually(lambda: demand.schedule.waiting("ma") == 0, within=10)
         accounted(gw)
+
+
+async def test_a_start_timeout_answers_the_waiting_request_with_it_and_stops_the_engine() -> None:
+    engine = sim_engine("a", "ma", "--start-delay-s", "60", start_timeout_s=1.0)
+    async with gateway([engine]) as (url, gw), httpx.AsyncClient(timeout=WITHIN) as c:
+        r = await c.post(url + "/v1/chat/completions", json=chat("ma"))
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_start_failed")
+        message = r.json()["error"]["message"]
+        assert message.startswith("backend a failed to start: not healthy within 1 s of starting")
+        await eventually(lambda: phase(gw, "a") is Phase.STOPPED)
+        assert gw.fleet.controllers["a"].status()["managed"]["running"] is False
+        accounted(gw)
