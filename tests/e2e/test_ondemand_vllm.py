@@ -19,6 +19,7 @@ import httpx
 
 from backends.lifecycle import Lifecycle
 from backends.ondemand import Phase
+from backends.supervisor import group_alive
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
 from routing.types import BackendState
@@ -163,12 +164,4 @@ def test_on_demand_vllm_starts_on_the_first_request_swaps_and_stops_after_its_id
         )
         for bid in ("a", "b"):
             pid = gw.fleet.controllers[bid].status()["managed"]["exits"][-1]["pid"]
-            assert not _group_alive(pid), f"{bid}'s engine outlived its stop"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+            assert not group_alive(pid), f"{bid}'s engine outlived its stop"  # zombies excluded
