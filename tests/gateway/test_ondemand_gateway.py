@@ -423,3 +423,19 @@ async def test_a_start_timeout_answers_the_waiting_request_with_it_and_stops_the
         await eventually(lambda: phase(gw, "a") is Phase.STOPPED)
         assert gw.fleet.controllers["a"].status()["managed"]["running"] is False
         accounted(gw)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+async def test_the_hold_header_is_ignored_when_off_or_from_an_untrusted_client(enabled: bool) -> None:
+    backends, extra = pair()
+    async with (
+        gateway(backends, on_demand={"hold_header": enabled}, **extra) as (url, gw),
+        httpx.AsyncClient(timeout=WITHIN) as c,
+    ):
+        assert gw.proxy.waiting is not None
+        gw.proxy.waiting.may_hold = lambda ctx: False  # the auth layer's predicate: nobody is trusted
+        r = await c.post(url + "/v1/chat/completions", json=chat("ma"), headers={"x-warmroute-hold": "60"})
+        assert r.status_code == 200
+        r = await c.post(url + "/v1/chat/completions", json=chat("mb"))
+        assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "b")  # swapped: no hold
+        accounted(gw)
