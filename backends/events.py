@@ -88,6 +88,18 @@ class Operator:
 
 
 @dataclass(frozen=True, slots=True)
+class Wake:
+    """Start a stopped on-demand engine (``backends.ondemand`` decided it is wanted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Stop an on-demand engine on purpose (idle, swapped out, failed start): DOWN, *stopped*, no restart."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TimerFired:
     kind: TimerKind
     seq: int
@@ -106,6 +118,8 @@ Event = (
     | ProcessExited
     | Operator
     | TimerFired
+    | Wake
+    | Sleep
 )
 
 

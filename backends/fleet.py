@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
 
 from backends.breaker import CircuitState
+from backends.demand import Claim, Demand, on_demand, scheduler_policy
 from backends.events import ProbeFailed, ProbeOk
 from backends.lifecycle import Lifecycle
 from backends.managed import BackendController
@@ -43,9 +44,12 @@ class Fleet:
         self.registry = registry
         self.controllers: dict[str, BackendController] = {}
         self._changed = asyncio.Event()
+        self.demand: Demand | None = None  # on-demand engines (backends/ondemand.py), if any is configured
         for cfg in settings.backends:
             backend = registry.backends[cfg.id]
             self.controllers[cfg.id] = make(cfg, settings, client, self._mirror(backend))
+        if any(on_demand(cfg) for cfg in settings.backends):
+            self.demand = Demand(scheduler_policy(settings), self.controllers, self._in_flight)
 
     def start(self) -> None:
         for controller in self.controllers.values():
@@ -53,6 +57,8 @@ class Fleet:
 
     async def aclose(self) -> None:
         """Stop every controller at once: managed engines get their stop command or SIGTERM, then SIGKILL."""
+        if self.demand is not None:
+            await self.demand.aclose()
         await asyncio.gather(*(c.aclose() for c in self.controllers.values()))
 
     async def settled(self, timeout_s: float) -> None:
@@ -92,15 +98,50 @@ class Fleet:
             for _ in range(controller.policy.fail_threshold):
                 controller.send(ProbeFailed(error))
 
+    # -- on-demand engines ----------------------------------------------------------------------------------
+
+    async def ready_for(self, model: str | None) -> Claim | None:
+        """None at once unless ``model`` is served on demand; else wait for a READY engine (starting one) and
+        return the claim the request holds until it is finished. Raises ``demand.EngineUnavailable``."""
+        if self.demand is None or model is None or not self.demand.serves(model):
+            return None
+        return await self.demand.ready_for(model)
+
+    def hold(self, backend_id: str, duration_s: float, reason: str) -> dict[str, Any]:
+        """Keep an on-demand engine loaded (start it if stopped) and its group refusing swaps for
+        ``duration_s``; other models of the group get a 503 naming the hold. ``KeyError``: not on demand;
+        ``ValueError``: ``duration_s`` not above 0."""
+        if self.demand is None:
+            raise KeyError(backend_id)
+        return self.demand.hold(backend_id, duration_s, reason)
+
+    def release_hold(self, backend_id: str) -> dict[str, Any]:
+        if self.demand is None:
+            raise KeyError(backend_id)
+        return self.demand.release_hold(backend_id)
+
+    def startable(self) -> bool:
+        """Can a request be served by starting an engine (for /readyz: a zoo of stopped engines is ready)?"""
+        return self.demand is not None and bool(self.demand.policy.engines)
+
     # -- read side ------------------------------------------------------------------------------------------
 
     def status(self) -> dict[str, dict[str, Any]]:
-        return {bid: c.status() for bid, c in self.controllers.items()}
+        out = {bid: c.status() for bid, c in self.controllers.items()}
+        if self.demand is not None:
+            for bid in self.demand.schedule.engines:
+                out[bid]["on_demand"] = self.demand.status(bid)
+        return out
+
+    def _in_flight(self, ids: Iterable[str]) -> dict[str, int]:
+        return {bid: self.registry.backends[bid].in_flight for bid in ids if bid in self.registry.backends}
 
     def _mirror(self, backend: Backend) -> Callable[[Lifecycle], None]:
         def on_change(lc: Lifecycle) -> None:
             backend.state = lc.state
             backend.circuit_open = lc.circuit is CircuitState.OPEN
             self._changed.set()
+            if self.demand is not None:
+                self.demand.lifecycle_changed(backend.id, lc)
 
         return on_change

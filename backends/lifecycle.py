@@ -28,6 +28,10 @@ Decisions written down here (the tests hold every one):
   A managed engine still STARTING ignores failed probes (it is loading): only its start timeout ends that.
 - Exits the gateway asked for (stop, restart) are no outage. A ``detached`` engine's command returning 0
   is none either (``docker start`` returns once the container runs).
+- On-demand engines (``policy.on_demand``) begin *stopped* (DOWN, ``stopped``): not started at CONFIG_ADDED.
+  ``Wake`` starts a stopped one (STARTING, a fresh start timeout, restart history forgotten); ``Sleep`` stops
+  one on purpose (DOWN, ``stopped``, the stop action, pending timers stale). While stopped, probes, exits and
+  operator RESET change nothing: only ``Wake`` brings it back (``backends.ondemand`` decides when).
 - After CONFIG_REMOVED nothing but process exits is looked at; an unmanaged backend ignores process events
   and timers (it has neither).
 """
@@ -60,10 +64,12 @@ from backends.events import (
     ResetBreaker,
     RestartProcess,
     RunCanary,
+    Sleep,
     StartProcess,
     StopProcess,
     TimerFired,
     TimerKind,
+    Wake,
 )
 from routing.types import BackendState
 
@@ -81,6 +87,7 @@ class LifecyclePolicy:
     """Per-backend rules (``backends.managed.policy_for`` builds one from the settings)."""
 
     managed: bool = False
+    on_demand: bool = False  # begins stopped; started and stopped by ``Wake``/``Sleep``
     detached: bool = False
     fail_threshold: int = 2
     start_timeout_s: float = 600.0
@@ -114,6 +121,7 @@ class Lifecycle:
     canary_seq: int = 0
     canary_retry_at: float | None = None  # after a failed canary: no new one before this
     timer_seq: int = 0
+    stopped: bool = False  # an on-demand engine stopped on purpose (DOWN, and no outage)
 
     @property
     def routable(self) -> bool:
@@ -133,7 +141,7 @@ def transition(lc: Lifecycle, event: Event, now: float, policy: LifecyclePolicy)
         return lc, []
     new, actions = _HANDLERS[type(event)](lc, event, now, policy)
     if (new.state, new.reason) != (lc.state, lc.reason) and not any(isinstance(a, GiveUp) for a in actions):
-        level = logging.WARNING if new.state is S.DOWN else logging.INFO
+        level = logging.WARNING if new.state is S.DOWN and not new.stopped else logging.INFO
         actions.insert(0, Log(level, f"{lc.state} -> {new.state}: {new.reason}"))
     return new, actions
 
@@ -144,6 +152,8 @@ def transition(lc: Lifecycle, event: Event, now: float, policy: LifecyclePolicy)
 def _config_added(lc: Lifecycle, ev: ConfigAdded, now: float, p: LifecyclePolicy) -> Result:
     if not p.managed or lc.state is not S.STARTING or lc.started_at is not None:
         return lc, []
+    if p.on_demand:
+        return replace(lc, state=S.DOWN, reason="stopped (on demand): starts on a request", stopped=True), []
     seq = lc.timer_seq + 1
     lc = replace(lc, reason="starting the engine process", started_at=now, timer_seq=seq)
     return lc, [StartProcess(), ArmTimer(TimerKind.START_TIMEOUT, p.start_timeout_s, seq)]
@@ -156,7 +166,7 @@ def _config_removed(lc: Lifecycle, ev: ConfigRemoved, now: float, p: LifecyclePo
 
 def _probe_ok(lc: Lifecycle, ev: ProbeOk, now: float, p: LifecyclePolicy) -> Result:
     lc = replace(lc, probe_failures=0)
-    if lc.state not in (S.STARTING, S.DOWN) or lc.gave_up:
+    if lc.state not in (S.STARTING, S.DOWN) or lc.gave_up or lc.stopped:
         return lc, []
     if lc.canary_retry_at is not None and now < lc.canary_retry_at:
         return lc, []
@@ -168,6 +178,8 @@ def _probe_ok(lc: Lifecycle, ev: ProbeOk, now: float, p: LifecyclePolicy) -> Res
 
 
 def _probe_failed(lc: Lifecycle, ev: ProbeFailed, now: float, p: LifecyclePolicy) -> Result:
+    if lc.stopped:
+        return lc, []
     lc = replace(lc, probe_failures=lc.probe_failures + 1)
     # DOWN after a failed canary is no outage yet; failing probes make it one (once: _outage clears it).
     if lc.probe_failures < p.fail_threshold or (lc.state is S.DOWN and lc.canary_retry_at is None):
@@ -210,7 +222,7 @@ def _process_started(lc: Lifecycle, ev: ProcessStarted, now: float, p: Lifecycle
 
 
 def _process_exited(lc: Lifecycle, ev: ProcessExited, now: float, p: LifecyclePolicy) -> Result:
-    if ev.requested or lc.removed or lc.gave_up or not p.managed:
+    if ev.requested or lc.removed or lc.gave_up or lc.stopped or not p.managed:
         return lc, []
     if p.detached and ev.code == 0 and not ev.spawn_failed:
         return lc, [Log(logging.INFO, "start command returned 0; the engine runs detached")]
@@ -225,7 +237,7 @@ def _process_exited(lc: Lifecycle, ev: ProcessExited, now: float, p: LifecyclePo
 
 def _operator(lc: Lifecycle, ev: Operator, now: float, p: LifecyclePolicy) -> Result:
     if ev.command is Command.RESET:
-        return _reset(lc, now, p)
+        return (lc, []) if lc.stopped else _reset(lc, now, p)
     drained = {Command.DRAIN: True, Command.UNDRAIN: False}.get(ev.command, lc.drained)
     cordoned = {Command.CORDON: True, Command.UNCORDON: False}.get(ev.command, lc.cordoned)
     lc = replace(lc, drained=drained, cordoned=cordoned)
@@ -250,6 +262,37 @@ def _timer_fired(lc: Lifecycle, ev: TimerFired, now: float, p: LifecyclePolicy) 
     return lc, []
 
 
+def _wake(lc: Lifecycle, ev: Wake, now: float, p: LifecyclePolicy) -> Result:
+    if not p.managed or not lc.stopped:
+        return lc, []
+    seq = lc.timer_seq + 1
+    lc = replace(
+        lc,
+        state=S.STARTING,
+        reason="starting the engine process (on demand)",
+        stopped=False,
+        gave_up=False,
+        restarts=(),
+        started_at=now,
+        down_since=None,
+        probe_failures=0,
+        canary_retry_at=None,
+        circuit=CircuitState.CLOSED,
+        timer_seq=seq,
+    )
+    return lc, [ResetBreaker(), StartProcess(), ArmTimer(TimerKind.START_TIMEOUT, p.start_timeout_s, seq)]
+
+
+def _sleep(lc: Lifecycle, ev: Sleep, now: float, p: LifecyclePolicy) -> Result:
+    if not p.managed or lc.stopped:
+        return lc, []
+    # A new timer seq: a pending restart or start timeout must not bring a stopped engine back.
+    lc = replace(
+        lc, state=S.DOWN, reason=ev.reason, stopped=True, down_since=None, timer_seq=lc.timer_seq + 1
+    )
+    return lc, [StopProcess()]
+
+
 _HANDLERS: dict[type[Any], Callable[[Lifecycle, Any, float, LifecyclePolicy], Result]] = {
     ConfigAdded: _config_added,
     ConfigRemoved: _config_removed,
@@ -262,6 +305,8 @@ _HANDLERS: dict[type[Any], Callable[[Lifecycle, Any, float, LifecyclePolicy], Re
     ProcessExited: _process_exited,
     Operator: _operator,
     TimerFired: _timer_fired,
+    Wake: _wake,
+    Sleep: _sleep,
 }
 
 

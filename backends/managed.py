@@ -64,6 +64,7 @@ def policy_for(cfg: BackendConfig, health: HealthConfig, canary_defaults: Canary
     r = m.restart
     return LifecyclePolicy(
         managed=True,
+        on_demand=m.on_demand,
         detached=m.detached,
         fail_threshold=health.fail_threshold,
         start_timeout_s=m.start_timeout_s,
@@ -110,6 +111,7 @@ class BackendController:
         self._timer: asyncio.TimerHandle | None = None
         self._circuit_timer: asyncio.TimerHandle | None = None
         self._canary_task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -306,7 +308,13 @@ class BackendController:
         elif isinstance(action, RestartProcess):
             self._spawn(sup.restart(), "restart")
         else:
-            self._spawn(sup.stop(), "stop")
+            self._stop_task = self._spawn(sup.stop(), "stop")
+
+    async def stopping(self) -> None:
+        """Wait for the last stop the lifecycle asked for (stop command, SIGTERM, SIGKILL) to finish."""
+        task = self._stop_task
+        if task is not None:
+            await asyncio.shield(task)
 
     def _on_exit(self, info: ExitInfo) -> None:
         self.exits.append(info)

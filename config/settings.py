@@ -170,6 +170,17 @@ class ManagedConfig(_Section):
     )
     log_lines: int = Field(default=200, ge=1, le=100_000, description="Last output lines kept")
     restart: RestartConfig = RestartConfig()
+    # On demand (llama-swap's model zoo): started by the first request for its models, not at gateway start.
+    on_demand: bool = Field(default=False, description="Start on the first request instead of at start-up")
+    idle_ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="On demand: stopped after this long without a request (llama-swap ttl)",
+    )
+    group: str | None = Field(
+        default=None,
+        description="On demand: an exclusive group from top-level `groups` (engines sharing a GPU)",
+    )
 
     _command = field_validator("command", "stop_command")(_check_command)
 
@@ -178,6 +189,34 @@ class ManagedConfig(_Section):
         if self.detached and self.stop_command is None:
             raise ValueError("detached engines need a stop_command (the gateway holds no process to signal)")
         return self
+
+    @model_validator(mode="after")
+    def _on_demand_keys(self) -> ManagedConfig:
+        if not self.on_demand and (self.idle_ttl_s is not None or self.group is not None):
+            raise ValueError("idle_ttl_s and group apply to on_demand engines only (set on_demand: true)")
+        return self
+
+
+class GroupConfig(_Section):
+    """Engines that exclude each other (they share a GPU or a box): llama-swap's `swap: true` group."""
+
+    max_running: int = Field(default=1, ge=1, description="Members running (or starting, stopping) at once")
+    min_residency_s: float = Field(
+        default=0.0, ge=0, description="A started member is not swapped out before this (no thrashing)"
+    )
+
+
+class OnDemandConfig(_Section):
+    """Requests that wait for an on-demand engine to start."""
+
+    max_waiting: int = Field(default=64, ge=1, description="Per model; beyond it: 503 with Retry-After")
+    wait_timeout_s: float = Field(default=900.0, gt=0, description="A waiting request gives up after this")
+    retry_after_s: float = Field(default=5.0, gt=0, description="Retry-After of a full queue's 503")
+    keepalive_s: float = Field(default=5.0, gt=0, description="SSE comment interval while a stream waits")
+    hold_header: bool = Field(
+        default=False, description="Honour `x-warmroute-hold: <seconds>` from keys trusted to hold"
+    )
+    max_hold_s: float = Field(default=86_400.0, gt=0, description="Longest hold a request header may ask")
 
 
 class BreakerConfig(_Section):
@@ -426,6 +465,17 @@ class Settings(BaseSettings):
     thinking: ThinkingConfig = ThinkingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict, description="Per served model")
     guard: GuardConfig = GuardConfig()
+    groups: dict[str, GroupConfig] = Field(default_factory=dict, description="Exclusive on-demand groups")
+    on_demand: OnDemandConfig = OnDemandConfig()
+
+    @model_validator(mode="after")
+    def _groups_declared(self) -> Settings:
+        for b in self.backends:
+            group = b.managed.group if b.managed is not None else None
+            if group is not None and group not in self.groups:
+                declared = ", ".join(sorted(self.groups)) or "none"
+                raise ValueError(f"backend {b.id!r}: group {group!r} is not declared in groups ({declared})")
+        return self
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Settings:

@@ -29,12 +29,13 @@ from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.upstream import UpstreamPool
+from gateway.waiting import WaitingRoom
 from routing.params import RoutingParams
 from routing.policies import Policy, make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
@@ -93,6 +94,10 @@ class Gateway:
             self.transport, settings.timeouts, settings.thinking, self.metrics
         )
         self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
+        # On-demand engines (backends/ondemand.py): requests for their models wait in the waiting room.
+        if self.fleet.demand is not None:
+            self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
+            self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -203,7 +208,8 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         # codes, last output lines); anyone else gets ids, states and a short reason, no URLs or output.
         backends = readyz_backends(gw.fleet.status(), _is_loopback(request.client and request.client.host))
         shared = gw.store.status()
-        ready = gw.registry.any_ready()
+        # Stopped on-demand engines start on a request: a gateway fronting only those is ready.
+        ready = gw.registry.any_ready() or gw.fleet.startable()
         body = {
             "ready": ready,
             "backends": backends,

@@ -21,6 +21,10 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Extra response headers (``Retry-After`` on a 503 that knows when to come back)."""
+        return []
+
 
 class BadRequest(GatewayError):
     status = 400

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -210,3 +210,66 @@ class _BackendCollector(Collector):
                 state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
         yield in_flight
         yield state
+
+
+_STARTING_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600)
+
+
+class OnDemandMetrics:
+    """On-demand engines (``backends.demand.DemandMetrics``): rare events, so plain prometheus_client
+    children. Labels: backend ids, groups and models from the configuration, enum values."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.starts = Counter("warmroute_ondemand_starts", "On-demand engine starts", ["backend"], registry=r)
+        self.stops = Counter(
+            "warmroute_ondemand_stops",
+            "On-demand engine stops by why (idle, swap, failed)",
+            ["backend", "why"],
+            registry=r,
+        )
+        self.swaps = Counter(
+            "warmroute_ondemand_swaps", "Engines swapped out for another member", ["group"], registry=r
+        )
+        self.starting = Histogram(
+            "warmroute_ondemand_starting_seconds",
+            "From the start of an on-demand engine to READY (canary passed)",
+            ["backend"],
+            buckets=_STARTING_BUCKETS,
+            registry=r,
+        )
+        self.refused = Counter(
+            "warmroute_ondemand_evictions_refused",
+            "Swaps held back because the running engine had requests in flight",
+            ["backend"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "warmroute_ondemand_queue_depth", "Requests waiting for an engine", ["model"], registry=r
+        )
+        self.wait = Histogram(
+            "warmroute_ondemand_wait_seconds",
+            "Time requests waited for an on-demand engine, by outcome (admitted or why refused)",
+            ["model", "outcome"],
+            buckets=_STARTING_BUCKETS,
+            registry=r,
+        )
+
+    def started(self, engine: str) -> None:
+        self.starts.labels(engine).inc()
+
+    def ready(self, engine: str, starting_s: float) -> None:
+        self.starting.labels(engine).observe(starting_s)
+
+    def stopped(self, engine: str, why: str, group: str | None) -> None:
+        self.stops.labels(engine, why).inc()
+        if why == "swap" and group is not None:
+            self.swaps.labels(group).inc()
+
+    def eviction_refused(self, engine: str) -> None:
+        self.refused.labels(engine).inc()
+
+    def waited(self, model: str, seconds: float, outcome: str) -> None:
+        self.wait.labels(model, outcome).observe(seconds)
+
+    def depth(self, model: str, waiting: int) -> None:
+        self.waiting.labels(model).set(waiting)

@@ -59,6 +59,7 @@ from routing.types import BackendState, Decision, PinAction, RouteRequest
 if TYPE_CHECKING:
     from gateway.continuation import Continuation
     from gateway.reasoning import ReasoningRelay
+    from gateway.waiting import WaitingRoom
 
 log = logging.getLogger("warmroute.proxy")
 
@@ -112,13 +113,18 @@ class Proxy:
         self.observers = tuple(observers)  # told what each answered request looked like, in finish
         self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
         self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
+        self.waiting: WaitingRoom | None = None  # requests for on-demand engines wait here; set by the app
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
+        claim = None  # an on-demand engine's: it is not stopped before this request is finished
         try:
             try:
+                if self.waiting is not None:  # gateway/waiting.py: wait for an on-demand engine to start
+                    send = self.waiting.wrap(ctx, send)
+                    claim = await self.waiting.enter(ctx, send)
                 upstream = await self._open(ctx)
             except GatewayError as err:
                 ctx.outcome = _outcome_of(err)
@@ -146,6 +152,8 @@ class Proxy:
         finally:
             watcher.cancel()
             await self._finish(ctx)
+            if claim is not None:
+                claim.release()
 
     async def reject(self, send: Send, err: GatewayError) -> None:
         """Answer a request refused before routing (bad input) and count it."""

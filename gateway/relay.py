@@ -112,6 +112,7 @@ async def send_error(send: Send, err: GatewayError) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(payload)).encode()),
+                *err.headers(),
             ],
         }
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from backends.sim import config as c
 from backends.sim.config import Faults, SimConfig
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--stall-s", type=float, default=0.0, metavar="X")
     faults.add_argument("--repeat-token", action="store_true")
     faults.add_argument("--health-fail", action="store_true")
+    p.add_argument(
+        "--start-delay-s",
+        type=float,
+        default=0.0,
+        help="wait this long before listening, like an engine loading its weights (not time-scaled)",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true")
     return p
@@ -100,5 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.start_delay_s > 0:
+        print(f"loading for {args.start_delay_s:g} s", flush=True)
+        time.sleep(args.start_delay_s)  # nothing listens meanwhile: probes see what a loading engine shows
     serve(cfg, args.host, args.port, log_level=args.log_level, access_log=args.access_log)
     return 0
