@@ -16,15 +16,17 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import RoutingConfig, Settings, load_settings
+from gateway.admin import Admin
+from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
@@ -94,11 +96,15 @@ class Gateway:
         )
         self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
         self.created = int(time.time())
+        self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         # 1. Connect the shared state store (an unreachable Redis only degrades it; it reconnects itself).
         await self.store.start()
+        #    With Redis, backends other replicas changed at runtime are applied before the fleet starts.
+        if self.admin is not None:
+            await self.admin.start()
         # 2. Start the lifecycles (managed engines are spawned), probe every backend once and wait for the
         #    canaries that started, so a healthy cluster takes traffic as soon as we listen.
         self.fleet.start()
@@ -118,6 +124,8 @@ class Gateway:
             # requests in flight (``warmroute serve``); under other servers we wait for them here.
             # 5. Let what is still in flight finish, up to the same deadline.
             await self._drained(self.settings.server.shutdown_grace_s)
+            if self.admin is not None:
+                await self.admin.aclose()  # no runtime change is applied from here on
             # 6. Stop probing (no probe may start a canary or a restart now), then stop the lifecycles:
             #    managed engines get their stop command or SIGTERM, then SIGKILL after stop_timeout_s.
             await self.health.aclose()
@@ -171,7 +179,9 @@ class HotPath:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False) -> HotPath:
+def create_app(
+    settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False
+) -> AccessGuard:
     """The ASGI app. ``freeze_gc``: for a serving process (``warmroute serve``), never for tests that build
     many apps in one interpreter (frozen objects are never collected)."""
     gw = Gateway(settings, store, freeze_gc=freeze_gc)
@@ -182,6 +192,7 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)
+    gw.admin = Admin(gw, {"/v1/chat/completions": chat, "/v1/completions": completions})
 
     async def models(_request: Request) -> Response:
         return JSONResponse(
@@ -226,6 +237,7 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Mount("/admin", routes=gw.admin.routes),  # behind AccessGuard, like everything under /admin
     ]
     app = Starlette(
         routes=routes,
@@ -238,10 +250,13 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         hot["POST", path] = chat
     for path in ("/v1/completions", "/v1/completions/"):
         hot["POST", path] = completions
-    return HotPath(app, hot)
+    access = AdminAccess.from_settings(settings)
+    log_admin_access(access)
+    clients = ClientKeys(settings.auth.keys())
+    return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
 
 
-def create_app_from_env() -> HotPath:
+def create_app_from_env() -> AccessGuard:
     """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
     return create_app(load_settings(os.environ.get(CONFIG_ENV)), freeze_gc=True)
 
@@ -291,5 +306,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientDisconnect):  # the client left mid-body: nobody to answer, nothing to log
+        log.debug("client disconnected during %s %s", request.method, request.url.path)
+        return Response(status_code=400)
     log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return await _gateway_error(request, GatewayError("internal error in the gateway; see its log"))
