@@ -242,7 +242,12 @@ def create_app(
     app = Starlette(
         routes=routes,
         lifespan=gw.lifespan,
-        exception_handlers={HTTPException: _http_error, GatewayError: _gateway_error, Exception: _unexpected},
+        exception_handlers={
+            HTTPException: _http_error,
+            GatewayError: _gateway_error,
+            ClientDisconnect: _client_gone,  # here, not in the catch-all: that one logs and re-raises
+            Exception: _unexpected,
+        },
     )
     app.state.gateway = gw
     hot: dict[tuple[str, str], ASGIApp] = {}
@@ -305,9 +310,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return await _gateway_error(request, err)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left mid-body: nobody to answer, nothing worth a traceback."""
+    log.debug("client disconnected during %s %s", request.method, request.url.path)
+    return Response(status_code=400)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, ClientDisconnect):  # the client left mid-body: nobody to answer, nothing to log
-        log.debug("client disconnected during %s %s", request.method, request.url.path)
-        return Response(status_code=400)
     log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return await _gateway_error(request, GatewayError("internal error in the gateway; see its log"))
