@@ -447,7 +447,7 @@ class AdminConfig(_Section):
             except OSError as exc:
                 raise ConfigError(f"admin.token_file {self.token_file}: {exc.strerror}") from exc
             return text or None
-        return self.token.get_secret_value() if self.token is not None else None
+        return (self.token.get_secret_value() or None) if self.token is not None else None
 
 
 class ClientKey(_Section):
@@ -464,6 +464,14 @@ class AuthConfig(_Section):
     client_keys_file: str | None = Field(
         default=None, description="More keys, one `name key` pair per line (# comments)"
     )
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        names = [k.name for k in self.client_keys]
+        keys = {k.key.get_secret_value() for k in self.client_keys}
+        if len(set(names)) != len(names) or len(keys) != len(names) or "" in keys:
+            raise ValueError("client key names and keys must be unique and non-empty")
+        return self
 
     def keys(self) -> dict[str, str]:
         """key -> client name, from the list and the file; duplicate names or keys are a ConfigError."""

@@ -51,7 +51,9 @@ def test_admin_needs_the_bearer_token(cluster: ClusterFactory) -> None:
     assert chat(c.url, "x").status_code == 200  # /v1 needs no admin token
 
 
-def test_no_token_off_loopback_is_refused_and_logged(cluster: ClusterFactory, caplog: pytest.LogCaptureFixture) -> None:
+def test_no_token_off_loopback_is_refused_and_logged(
+    cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="warmroute.auth"):
         c = cluster(["a"], server={"host": "0.0.0.0"})
     r = httpx.get(c.url + "/admin/backends")
@@ -64,13 +66,16 @@ def test_no_token_off_loopback_is_refused_and_logged(cluster: ClusterFactory, ca
     assert warned[0].getMessage().startswith("admin API DISABLED: no admin token configured")
 
 
-def test_no_token_on_loopback_is_served_and_says_why(cluster: ClusterFactory, caplog: pytest.LogCaptureFixture) -> None:
+def test_no_token_on_loopback_is_served_and_says_why(
+    cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="warmroute.auth"):
         c = cluster(["a"])
     assert httpx.get(c.url + "/admin/backends").status_code == 200
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "warmroute.auth"]
     assert lines == [
-        "admin API on 127.0.0.1 (the API port): no admin token configured; served because the listener is loopback"
+        "admin API on 127.0.0.1 (the API port): no admin token configured; "
+        "served because the listener is loopback"
     ]
 
 
@@ -103,7 +108,12 @@ def test_client_keys_gate_v1_name_the_client_and_stay_home(cluster: ClusterFacto
         r = chat(c.url, "x", headers=headers)
         assert r.status_code == 401
         assert r.json() == {
-            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
         }
         assert httpx.get(c.url + "/v1/models", headers=headers).status_code == 401
     assert engines[0].requests == []
@@ -123,7 +133,9 @@ def test_forward_client_key_when_the_backend_asks() -> None:
     engine = FakeEngine("a")
     with serve(engine.app()) as (url, _server):
         backends = [{"id": "a", "url": url, "models": ["m"], "forward_client_key": True}]
-        settings = load_settings(None, backends=backends, auth={"client_keys": [{"name": "ci", "key": "k-ci"}]})
+        settings = load_settings(
+            None, backends=backends, auth={"client_keys": [{"name": "ci", "key": "k-ci"}]}
+        )
         with serve(create_app(settings)) as (gw_url, _gw):
             assert chat(gw_url, "x", headers={"authorization": "Bearer k-ci"}).status_code == 200
     assert engine.headers[-1]["authorization"] == "Bearer k-ci"
@@ -152,7 +164,9 @@ def test_admin_port_serves_admin_only_and_only_there() -> None:
     engine = FakeEngine("a")
     with serve(engine.app()) as (url, _server):
         settings = load_settings(
-            None, backends=[{"id": "a", "url": url, "models": ["m"]}], admin={"port": free_port(), "token": TOKEN}
+            None,
+            backends=[{"id": "a", "url": url, "models": ["m"]}],
+            admin={"port": free_port(), "token": TOKEN},
         )
         auth = {"authorization": f"Bearer {TOKEN}"}
         with two_listeners(settings) as (api, admin):

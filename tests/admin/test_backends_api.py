@@ -91,7 +91,10 @@ def test_removal_repins_cleans_up_and_reports(cluster: ClusterFactory) -> None:
     assert admin(c.url, "GET", f"/backends/{pinned}").status_code == 404
     again = chat(c.url, "conv-1", turn=1)
     assert again.status_code == 200
-    assert (again.headers["x-warmroute-backend"], again.headers["x-warmroute-route"]) == (other, "repin_removed")
+    assert (again.headers["x-warmroute-backend"], again.headers["x-warmroute-route"]) == (
+        other,
+        "repin_removed",
+    )
     assert chat(c.url, "conv-1", turn=2).headers["x-warmroute-route"] == "affinity_hit"
     assert c.in_flight() == 0
     assert admin(c.url, "DELETE", f"/backends/{pinned}").status_code == 404
@@ -102,8 +105,12 @@ def test_removing_the_last_backend_of_a_model_is_allowed_and_reported(cluster: C
     r = admin(c.url, "DELETE", "/backends/z")
     assert r.status_code == 200
     assert r.json()["models_left_without_backend"] == ["solo"]
-    assert r.json()["warnings"] == ["model 'solo' has no backend now: its requests get 404 until one is added"]
-    gone = httpx.post(c.url + "/v1/chat/completions", json={"model": "solo", "messages": [{"role": "user", "content": "x"}]})
+    assert r.json()["warnings"] == [
+        "model 'solo' has no backend now: its requests get 404 until one is added"
+    ]
+    gone = httpx.post(
+        c.url + "/v1/chat/completions", json={"model": "solo", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
@@ -140,7 +147,12 @@ def test_patch_weight(cluster: ClusterFactory) -> None:
     r = admin(c.url, "PATCH", "/backends/a", json={"weight": 3})
     assert r.status_code == 200 and r.json()["backend"]["weight"] == 3.0
     assert c.gateway.registry.backends["a"].cfg.weight == 3.0
-    for bad, param in [({"weight": 0}, "weight"), ({"weight": "x"}, "weight"), ({}, "weight"), ({"weight": 1, "url": "x"}, "url")]:
+    for bad, param in [
+        ({"weight": 0}, "weight"),
+        ({"weight": "x"}, "weight"),
+        ({}, "weight"),
+        ({"weight": 1, "url": "x"}, "url"),
+    ]:
         r = admin(c.url, "PATCH", "/backends/a", json=bad)
         assert r.status_code == 422, bad
         assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "validation_error"
@@ -183,7 +195,14 @@ def test_add_rejects_bad_bodies_naming_the_field(cluster: ClusterFactory) -> Non
         r = admin(c.url, "POST", "/backends", json=body)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["param"] == param, body
-    raw_cases = [b"{", b"", b"[" * 100_000 + b"]" * 100_000, b'{"weight": 1e999}', b'{"id": "\\ud800"}', b"1" * 5000]
+    raw_cases = [
+        b"{",
+        b"",
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"weight": 1e999}',
+        b'{"id": "\\ud800"}',
+        b"1" * 5000,
+    ]
     for raw in raw_cases:
         r = admin(c.url, "POST", "/backends", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, (raw[:20], r.text)
@@ -221,3 +240,20 @@ async def test_a_client_leaving_mid_body_is_dropped_quietly(caplog: pytest.LogCa
         await app(scope, receive, send)  # raised ClientDisconnect before the fix
     assert "Traceback" not in caplog.text and "unexpected error" not in caplog.text
     assert [r.levelno for r in caplog.records if r.name.startswith("warmroute")] == [logging.DEBUG]
+
+
+def test_a_request_routed_just_before_a_removal_still_finds_its_backend() -> None:
+    from backends.registry import Registry
+    from config.settings import BackendConfig
+
+    registry = Registry([BackendConfig(id="a", url="http://127.0.0.1:1", models=("m",))])
+    removed = registry.remove("a")
+    assert (
+        "a" not in registry.backends and registry.backends.get("a") is None and list(registry.backends) == []
+    )
+    lease = registry.lease("a")  # what the proxy does after the routing decision named "a"
+    assert registry.backends["a"] is removed and removed.in_flight == 1
+    lease.release()
+    assert removed.in_flight == 0
+    with pytest.raises(KeyError):
+        registry.lease("never-known")

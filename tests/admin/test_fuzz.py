@@ -51,7 +51,15 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 ANSWER = json.dumps(
-    {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Mercury, Venus"}, "finish_reason": "stop"}]}
+    {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Mercury, Venus"},
+                "finish_reason": "stop",
+            }
+        ]
+    }
 ).encode()
 
 
@@ -63,7 +71,9 @@ async def tolerant_engine(scope: Scope, receive: Receive, send: Send) -> None:
     while more:
         message = await receive()
         more = message.get("more_body", False) and message["type"] == "http.request"
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
     await send({"type": "http.response.body", "body": ANSWER})
 
 
@@ -94,12 +104,20 @@ def test_admin_api_from_its_openapi_document(loopback_only: None) -> None:
                 def one(case: Any) -> None:
                     response = case.call(base_url=url, timeout=10)
                     cases[response.status_code] = cases.get(response.status_code, 0) + 1
-                    assert response.status_code < 500, (case.method, case.formatted_path, case.body, response.text)
+                    assert response.status_code < 500, (
+                        case.method,
+                        case.formatted_path,
+                        case.body,
+                        response.text,
+                    )
 
                 one()
         total = sum(cases.values())
-        print(f"schemathesis: {total} cases in {time.monotonic() - started:.1f} s, by status {sorted(cases.items())}")
-        assert total >= 300
+        print(
+            f"schemathesis: {total} cases in {time.monotonic() - started:.1f} s, "
+            f"by status {sorted(cases.items())}"
+        )
+        assert total == 950  # every strategy ran its full count: no case was skipped or filtered away
         assert httpx.get(url + "/healthz").status_code == 200
 
 
@@ -116,7 +134,9 @@ VALID_CHAT = st.fixed_dictionaries(
     {
         "model": st.just("m"),
         "messages": st.lists(
-            st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=30)}),
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=30)}
+            ),
             min_size=1,
             max_size=4,
         ),
@@ -167,5 +187,8 @@ def test_v1_bodies_never_get_a_5xx(loopback_only: None) -> None:
         started = time.monotonic()
         one()
         total = sum(statuses.values())
-        print(f"hypothesis /v1: {total} cases in {time.monotonic() - started:.1f} s, by status {sorted(statuses.items())}")
+        print(
+            f"hypothesis /v1: {total} cases in {time.monotonic() - started:.1f} s, "
+            f"by status {sorted(statuses.items())}"
+        )
         assert total == V1_EXAMPLES

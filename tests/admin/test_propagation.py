@@ -43,7 +43,9 @@ def served_by(url: str, conv: str) -> str:
     return r.headers["x-warmroute-backend"]
 
 
-def test_a_change_on_one_replica_reaches_the_other(redis_server: RedisServer, redis_prefix: str, tmp_path: Path) -> None:
+def test_a_change_on_one_replica_reaches_the_other(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
     engines = {n: FakeEngine(n) for n in ("a", "b", "c")}
     with contextlib.ExitStack() as stack:
         urls = {n: stack.enter_context(serve(e.app()))[0] for n, e in engines.items()}
@@ -63,7 +65,11 @@ def test_a_change_on_one_replica_reaches_the_other(redis_server: RedisServer, re
         two = stack.enter_context(replica(config))
 
         # 1. Add on replica 1: replica 2 registers it, probes it, canaries it and routes to it.
-        added = httpx.post(one + "/admin/backends", headers=AUTH, json={"id": "c", "url": urls["c"], "models": ["m"], "weight": 2})
+        added = httpx.post(
+            one + "/admin/backends",
+            headers=AUTH,
+            json={"id": "c", "url": urls["c"], "models": ["m"], "weight": 2},
+        )
         assert added.status_code == 201 and added.json()["propagated"] is True
         until(lambda: backends(two).get("c", {}).get("state") == "ready", what="c ready on replica 2")
         assert backends(two)["c"]["source"] == "runtime" and backends(two)["c"]["weight"] == 2.0
@@ -92,5 +98,12 @@ def test_a_change_on_one_replica_reaches_the_other(redis_server: RedisServer, re
             until(lambda url=url: "c" not in backends(url), what=f"c gone on {url}")
         assert r.exists(f"{redis_prefix}convs:c") == 0
         turn = chat(one, on_c, 1)
-        assert (turn.headers["x-warmroute-route"], turn.headers["x-warmroute-backend"] in ("a", "b")) == ("repin_removed", True)
-        assert json.loads(r.hget(f"{redis_prefix}admin:backends", "c") or "{}") == {"config": None, "cordoned": None, "drained": None}
+        assert (turn.headers["x-warmroute-route"], turn.headers["x-warmroute-backend"] in ("a", "b")) == (
+            "repin_removed",
+            True,
+        )
+        assert json.loads(r.hget(f"{redis_prefix}admin:backends", "c") or "{}") == {
+            "config": None,
+            "cordoned": None,
+            "drained": None,
+        }

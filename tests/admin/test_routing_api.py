@@ -6,9 +6,10 @@ from typing import Any
 
 import httpx
 
+from routing.keys import chat_key, session_key
+
 from admin_helpers import chat, chat_body, metric_lines
 from clusters import ClusterFactory
-from routing.keys import chat_key, session_key
 
 
 def explain(url: str, body: dict[str, Any]) -> httpx.Response:
@@ -26,7 +27,10 @@ def test_explain_computes_the_endpoints_key_and_commits_nothing(cluster: Cluster
     assert (e["pinned"], e["reason"], e["pin_action"]) == (None, "new_least_loaded", "claim")
     assert e["backend"] in ("a", "b")
     assert sorted(cand["id"] for cand in e["candidates"]) == ["a", "b"]
-    assert all((cand["in_flight"], cand["conversations"], cand["routable"]) == (0, 0, True) for cand in e["candidates"])
+    assert all(
+        (cand["in_flight"], cand["conversations"], cand["routable"]) == (0, 0, True)
+        for cand in e["candidates"]
+    )
     # No side effects: no pin, no lease, no decision counted, nothing sent to an engine.
     assert httpx.get(f"{c.url}/admin/pins/{e['key']}").status_code == 404
     assert c.in_flight() == 0
@@ -35,7 +39,12 @@ def test_explain_computes_the_endpoints_key_and_commits_nothing(cluster: Cluster
     # A real request for the same conversation is pinned; explain now says it would stay there.
     served = chat(c.url, "conv-x").headers["x-warmroute-backend"]
     later = explain(c.url, {"body": chat_body("conv-x", turn=3)}).json()
-    assert (later["pinned"], later["backend"], later["reason"], later["pin_action"]) == (served, served, "affinity_hit", "touch")
+    assert (later["pinned"], later["backend"], later["reason"], later["pin_action"]) == (
+        served,
+        served,
+        "affinity_hit",
+        "touch",
+    )
     by_key = explain(c.url, {"key": e["key"], "model": "m"}).json()
     assert (by_key["backend"], by_key["reason"]) == (served, "affinity_hit")
     assert next(cand for cand in by_key["candidates"] if cand["id"] == served)["conversations"] == 1
@@ -105,6 +114,8 @@ def test_openapi_document_lists_every_admin_route(cluster: ClusterFactory) -> No
     assert listed == {(op.method, op.openapi_path) for op in c.gateway.admin.operations}  # type: ignore[union-attr]
     assert len(listed) == 15
     add = doc["paths"]["/admin/backends"]["post"]
-    assert add["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/BackendConfig"}
+    assert add["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/BackendConfig"
+    }
     assert {"201", "401", "403", "409", "422"} <= set(add["responses"])
     assert "weight" in doc["components"]["schemas"]["BackendPatch"]["properties"]
