@@ -187,8 +187,10 @@ class RedisAffinityStore:
 
     def set_backends(self, backends: Sequence[str]) -> None:
         """The backends to count from now on (one added or removed at runtime). No I/O."""
+        known = set(self._backends)
         self._backends = tuple(backends)
-        self._in_flight = {b: self._in_flight.get(b, 0) for b in self._backends}
+        # A backend added again starts from zero (its old incarnation's leases may have left a stray count).
+        self._in_flight = {b: self._in_flight.get(b, 0) if b in known else 0 for b in self._backends}
         self._seq += 1
 
     async def forget_backend(self, backend: str) -> None:

@@ -20,6 +20,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from starlette.types import Receive, Scope, Send
 
 from config.settings import load_settings
@@ -29,6 +34,7 @@ from upstreams import serve
 
 ADMIN_EXAMPLES = 25  # per operation and strategy: (15 operations x 2 modes + 8 with id "a") x 25 = 950
 V1_EXAMPLES = 300
+CONFORMANCE = [status_code_conformance, content_type_conformance, response_schema_conformance]
 FUZZ = settings(
     max_examples=ADMIN_EXAMPLES,
     deadline=None,
@@ -110,6 +116,8 @@ def test_admin_api_from_its_openapi_document(loopback_only: None) -> None:
                         case.body,
                         response.text,
                     )
+                    # The document describes what came back: a declared status, its content type, its schema.
+                    case.validate_response(response, checks=CONFORMANCE)
 
                 one()
         total = sum(cases.values())
