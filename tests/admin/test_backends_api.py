@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any
 
 import httpx
@@ -257,3 +259,22 @@ def test_a_request_routed_just_before_a_removal_still_finds_its_backend() -> Non
     assert removed.in_flight == 0
     with pytest.raises(KeyError):
         registry.lease("never-known")
+
+
+def test_removing_a_managed_backend_stops_its_process(cluster: ClusterFactory) -> None:
+    c = cluster(["a"], admin={"allow_managed": True})
+    engine = FakeEngine("e")
+    with serve(engine.app()) as (url, _server):
+        body = {"id": "e", "url": url, "models": ["m"], "managed": {"command": ["sleep", "600"]}}
+        assert admin(c.url, "POST", "/backends", json=body).status_code == 201
+        until(lambda: state_of(c.url, "e") == "ready", what="managed e ready")
+        pid = admin(c.url, "GET", "/backends/e").json()["managed"]["pid"]
+        assert isinstance(pid, int) and os.path.exists(f"/proc/{pid}")
+        assert admin(c.url, "DELETE", "/backends/e").status_code == 200
+        until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), what="engine process stopped")
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return open(f"/proc/{pid}/stat").read().split(") ", 1)[1].startswith("Z")
+    return True

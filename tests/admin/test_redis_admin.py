@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from routing.keys import chat_key
+from tools.procs import free_port
 from tools.redis_server import RedisServer
 
 from admin_helpers import chat, chat_body
@@ -49,3 +50,12 @@ def test_pins_counts_and_removal_in_redis(
     assert httpx.get(f"{c.url}/admin/pins/{key}").json()["backend"] == turn.headers["x-warmroute-backend"]
     record = r.hget(f"{redis_prefix}admin:backends", served)
     assert record == '{"config": null}' and r.get(f"{redis_prefix}admin:version") == "1"
+
+
+def test_a_change_with_redis_down_stays_local_and_says_so(cluster: ClusterFactory) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    c = cluster(["a", "b"], redis={"url": dead, "timeout_s": 0.2})
+    r = httpx.post(f"{c.url}/admin/backends/a/drain")
+    assert r.status_code == 200
+    assert (r.json()["propagated"], r.json()["backend"]["state"]) == (False, "draining")
+    assert httpx.get(c.url + "/admin/affinity").json()["degraded"] is True
