@@ -35,7 +35,7 @@ from gateway.admin.models import (
     PinView,
     Removed,
 )
-from gateway.admin.openapi import Operation
+from gateway.admin.openapi import Handler, Operation
 from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
 from gateway.errors import NotFound
@@ -123,7 +123,7 @@ class AdminApi:
             propagated = await self._publish(cfg.id, config=cfg.model_dump(mode="json"))
         return json_response(ChangeResult(backend=await self._fresh_view(backend), propagated=propagated))
 
-    def command(self, command: Command) -> Any:
+    def command(self, command: Command) -> Handler:
         async def handle(request: Request) -> Response:
             async with self.lock:
                 backend = self._backend(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -17,13 +18,14 @@ import uvicorn
 from config.settings import ConfigError, load_settings
 from gateway.app import create_app
 from gateway.server import _admin_socket, uvicorn_config
-from tools.procs import free_port
+from tools.procs import child, free_port, ok, python, wait_http
 
 from admin_helpers import chat, metric_lines
 from clusters import ClusterFactory
 from upstreams import FakeEngine, serve
 
 TOKEN = "s3cret-admin-token"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_admin_needs_the_bearer_token(cluster: ClusterFactory) -> None:
@@ -176,4 +178,27 @@ def test_admin_port_serves_admin_only_and_only_there() -> None:
             assert "it is served on port" in on_api.json()["error"]["message"]
             assert httpx.get(admin + "/v1/models").status_code == 404
             assert httpx.get(admin + "/admin/backends").status_code == 401
+            assert chat(api, "x").status_code == 200
+
+
+def test_warmroute_serve_opens_the_admin_port(tmp_path: Path) -> None:
+    engine = FakeEngine("a")
+    with serve(engine.app()) as (url, _server):
+        api_port, admin_port = free_port(), free_port()
+        config = tmp_path / "warmroute.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "server": {"log_level": "warning"},
+                    "backends": [{"id": "a", "url": url, "models": ["m"]}],
+                    "admin": {"port": admin_port},  # no token: served because both listeners are loopback
+                }
+            )
+        )
+        args = python("-m", "gateway.cli", "serve", "--config", str(config), "--port", str(api_port))
+        with child(args, stdout=None, stderr=None, cwd=ROOT, group=True) as proc:
+            api, admin = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{admin_port}"
+            wait_http(api + "/readyz", ok, timeout_s=30, process=proc)
+            assert httpx.get(admin + "/admin/backends").json()["backends"][0]["state"] == "ready"
+            assert httpx.get(api + "/admin/backends").status_code == 404
             assert chat(api, "x").status_code == 200
