@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.canary import Canary
+from backends.engine_metrics import CACHE_COUNTERS, QUEUE_GAUGES, scrape
 from backends.events import Command
 from backends.registry import Backend
 from config.settings import BackendConfig
@@ -45,6 +46,8 @@ from routing.types import Reason
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
+ENGINE_SERIES = (*QUEUE_GAUGES, *CACHE_COUNTERS)
+SCRAPE_TIMEOUT_S = 1.0
 _AFFINITY_REASONS = (Reason.AFFINITY_HIT, Reason.SPILL_OVERLOAD, Reason.REPIN_UNHEALTHY, Reason.REPIN_REMOVED)
 _COMMANDS = (Command.DRAIN, Command.UNDRAIN, Command.CORDON, Command.UNCORDON, Command.RESET)
 _FLAGS = {
@@ -70,12 +73,15 @@ class AdminApi:
 
     async def list_backends(self, _request: Request) -> Response:
         view = await self.gw.store.view(None)
-        items = [self._view(b, view) for b in self.gw.registry.backends.values()]
+        backends = list(self.gw.registry.backends.values())
+        scraped = await asyncio.gather(*(self._scrape(b) for b in backends))
+        items = [self._view(b, view, s) for b, s in zip(backends, scraped, strict=True)]
         return json_response(BackendList(backends=items))
 
     async def get_backend(self, request: Request) -> Response:
         backend = self._backend(request)
-        return json_response(self._view(backend, await self.gw.store.view(None)))
+        scraped = await self._scrape(backend)
+        return json_response(self._view(backend, await self.gw.store.view(None), scraped))
 
     # -- backends: change -----------------------------------------------------------------------------
 
@@ -226,9 +232,20 @@ class AdminApi:
         return False if self.feed is None else await self.feed.publish(backend_id, **fields)
 
     async def _fresh_view(self, backend: Backend) -> BackendView:
-        return self._view(backend, await self.gw.store.view(None))
+        return self._view(backend, await self.gw.store.view(None), {})
 
-    def _view(self, b: Backend, view: StoreView) -> BackendView:
+    async def _scrape(self, b: Backend) -> dict[str, float]:
+        """The engine's own queue and prefix-cache series (``backends.engine_metrics``), read now; {} when
+        it exports none or does not answer within ``SCRAPE_TIMEOUT_S``."""
+        headers = {"authorization": f"Bearer {b.cfg.api_key}"} if b.cfg.api_key else None
+        try:
+            async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+                found = await scrape(self.gw.client, b.cfg.url, ENGINE_SERIES, headers)
+        except TimeoutError:
+            return {}
+        return found or {}
+
+    def _view(self, b: Backend, view: StoreView, scraped: dict[str, float]) -> BackendView:
         controller = self.gw.fleet.controllers.get(b.id)
         st: dict[str, Any] = controller.status() if controller is not None else {}
         signals = getattr(b, "signals", None)
@@ -249,7 +266,7 @@ class AdminApi:
             in_flight=b.in_flight,
             in_flight_shared=None if view.in_flight is None else view.in_flight.get(b.id, 0),
             pinned_conversations=view.conversations.get(b.id, 0),
-            engine_signals=_as_dict(signals),
+            engine_signals={**scraped, **_as_dict(signals)},
             last_error=b.last_error,
             last_checked=b.last_checked,
             canary=st.get("canary"),

@@ -60,7 +60,10 @@ class BackendView(BaseModel):
     in_flight: int = Field(description="Requests in flight from this replica")
     in_flight_shared: int | None = Field(description="All replicas (Redis), None without shared state")
     pinned_conversations: int
-    engine_signals: dict[str, Any]
+    engine_signals: dict[str, Any] = Field(
+        description="The engine's /metrics read now (vLLM queue and prefix-cache series) plus the "
+        "signals routing keeps for it"
+    )
     last_error: str | None = Field(description="Of the last failed health probe")
     last_checked: float | None
     canary: dict[str, Any] | None = Field(description="Last canary run: passed, check_name, answer, at, ...")

@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+from backends.sim.app import create_sim_app
+from backends.sim.config import SimConfig
 from config.settings import load_settings
 from gateway.app import create_app
 
@@ -278,3 +280,19 @@ def _zombie(pid: int) -> bool:
     with contextlib.suppress(OSError):
         return open(f"/proc/{pid}/stat").read().split(") ", 1)[1].startswith("Z")
     return True
+
+
+def test_engine_signals_are_read_from_the_engines_metrics() -> None:
+    sim = create_sim_app(SimConfig(models=("m",), time_scale=0.0))
+    with serve(sim) as (url, _server):
+        backends = [{"id": "s", "url": url, "models": ["m"]}]
+        settings = load_settings(None, backends=backends, canary={"enabled": False})
+        with serve(create_app(settings)) as (gw, _gw):
+            assert chat(gw, "warm the cache").status_code == 200
+            assert chat(gw, "warm the cache", turn=1).status_code == 200
+            signals = admin(gw, "GET", "/backends/s").json()["engine_signals"]
+            listed = admin(gw, "GET", "/backends").json()["backends"][0]["engine_signals"]
+    assert set(signals) >= {"vllm:num_requests_running", "vllm:prefix_cache_queries_total"}
+    assert signals["vllm:num_requests_running"] == 0.0
+    assert 0 < signals["vllm:prefix_cache_hits_total"] < signals["vllm:prefix_cache_queries_total"]
+    assert listed == signals
