@@ -186,7 +186,7 @@ def test_v1_bodies_never_get_a_5xx(loopback_only: None) -> None:
         def one(path: str, body: dict[str, Any] | bytes, session: str | None) -> None:
             raw = body if isinstance(body, bytes) else json.dumps(body).encode()
             headers = {"content-type": "application/json"}
-            if session is not None and session.isprintable() and session.isascii():
+            if session and session == session.strip() and session.isprintable() and session.isascii():
                 headers["x-session-id"] = session
             response = client.post(path, content=raw, headers=headers)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
