@@ -21,11 +21,11 @@ import httpx
 
 from backends.breaker import CircuitState
 from backends.demand import Claim, Demand, on_demand, scheduler_policy
-from backends.events import ProbeFailed, ProbeOk
+from backends.events import ConfigRemoved, ProbeFailed, ProbeOk
 from backends.lifecycle import Lifecycle
 from backends.managed import BackendController
 from backends.registry import Backend, Registry
-from config.settings import Settings
+from config.settings import BackendConfig, Settings
 from routing.types import BackendState
 
 log = logging.getLogger("warmroute.fleet")
@@ -42,18 +42,45 @@ class Fleet:
         make: Callable[..., BackendController] = BackendController.from_settings,
     ) -> None:
         self.registry = registry
+        self.settings = settings
         self.controllers: dict[str, BackendController] = {}
+        self._client = client
+        self._make = make
+        self._started = False
         self._changed = asyncio.Event()
         self.demand: Demand | None = None  # on-demand engines (backends/ondemand.py), if any is configured
         for cfg in settings.backends:
-            backend = registry.backends[cfg.id]
-            self.controllers[cfg.id] = make(cfg, settings, client, self._mirror(backend))
+            self._control(cfg, registry.backends[cfg.id])
         if any(on_demand(cfg) for cfg in settings.backends):
             self.demand = Demand(scheduler_policy(settings), self.controllers, self._in_flight)
 
     def start(self) -> None:
+        self._started = True
         for controller in self.controllers.values():
             controller.start()
+
+    # -- runtime changes (the admin API) ------------------------------------------------------------------
+
+    def add(self, cfg: BackendConfig) -> BackendController:
+        """Register ``cfg`` with a controller (started at once if the fleet runs); ValueError if taken."""
+        controller = self._control(cfg, self.registry.add(cfg))
+        if self._started:
+            controller.start()
+        return controller
+
+    async def remove(self, backend_id: str) -> Backend:
+        """Unregister a backend (no new request is routed to it from now on), then end its lifecycle: a
+        managed engine is stopped. KeyError if unknown. Requests in flight there finish on their own."""
+        controller = self.controllers.pop(backend_id)
+        backend = self.registry.remove(backend_id)
+        controller.send(ConfigRemoved())
+        await controller.aclose()
+        return backend
+
+    def _control(self, cfg: BackendConfig, backend: Backend) -> BackendController:
+        controller = self._make(cfg, self.settings, self._client, self._mirror(backend))
+        self.controllers[cfg.id] = controller
+        return controller
 
     async def aclose(self) -> None:
         """Stop every controller at once: managed engines get their stop command or SIGTERM, then SIGKILL."""

@@ -64,14 +64,58 @@ class Lease:
             self.listener.finished(self.backend.id)
 
 
+class _Backends(dict[str, Backend]):
+    """The registered backends. ``[id]`` also finds one removed at runtime, so a request routed just before
+    the removal still gets its lease and finishes; ``in``, ``get`` and iteration see registered ones only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.retired: dict[str, Backend] = {}
+
+    def __missing__(self, backend_id: str) -> Backend:
+        return self.retired[backend_id]  # KeyError for an id never known
+
+
 class Registry:
     def __init__(self, configs: Iterable[BackendConfig], listener: LeaseListener | None = None) -> None:
         self.listener: LeaseListener = listener or _NoListener()
-        self.backends: dict[str, Backend] = {c.id: Backend(c) for c in configs}
+        self._registered = _Backends()
+        self.backends: dict[str, Backend] = self._registered
         self._by_model: dict[str, list[Backend]] = {}
-        for b in self.backends.values():
-            for model in b.cfg.models:
-                self._by_model.setdefault(model, []).append(b)
+        for c in configs:
+            self.add(c)
+
+    # -- runtime changes (the admin API): the snapshot routing sees changes with the next request ------
+
+    def add(self, cfg: BackendConfig) -> Backend:
+        """Register a backend (STARTING until its lifecycle says otherwise); ValueError if the id is taken."""
+        if cfg.id in self.backends:
+            raise ValueError(f"backend {cfg.id!r} already exists")
+        b = self.backends[cfg.id] = Backend(cfg)
+        self._registered.retired.pop(cfg.id, None)
+        for model in cfg.models:
+            self._by_model.setdefault(model, []).append(b)
+        return b
+
+    def remove(self, backend_id: str) -> Backend:
+        """Unregister a backend; KeyError if unknown. Its leases still release into the returned object, and
+        its conversations' pins stay: routing no longer finds the pinned backend (``repin_removed``)."""
+        b = self._registered.retired[backend_id] = self.backends.pop(backend_id)
+        for model in b.cfg.models:
+            left = [x for x in self._by_model[model] if x is not b]
+            if left:
+                self._by_model[model] = left
+            else:
+                del self._by_model[model]
+        return b
+
+    def reconfigure(self, cfg: BackendConfig) -> Backend:
+        """Replace the config of a backend whose models and URL stay the same (weight, say)."""
+        b = self.backends[cfg.id]
+        if (cfg.url, cfg.models) != (b.cfg.url, b.cfg.models):
+            raise ValueError("url and models cannot change in place; remove and add the backend")
+        b.cfg = cfg
+        return b
 
     def models(self) -> list[str]:
         return sorted(self._by_model)

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -217,6 +225,10 @@ class OnDemandConfig(_Section):
         default=False, description="Honour `x-warmroute-hold: <seconds>` from keys trusted to hold"
     )
     max_hold_s: float = Field(default=86_400.0, gt=0, description="Longest hold a request header may ask")
+    hold_clients: list[str] = Field(
+        default_factory=list,
+        description="Client key names (auth.client_keys) trusted to hold; empty: every authenticated client",
+    )
 
 
 class BreakerConfig(_Section):
@@ -255,9 +267,12 @@ class BackendConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
     models: tuple[str, ...] = Field(min_length=1)
-    weight: float = Field(default=1.0, gt=0)
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     dialect: Dialect = Dialect.OPENAI
     api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
+    forward_client_key: bool = Field(
+        default=False, description="Forward a gateway client key (auth.client_keys) to this engine"
+    )
     managed: ManagedConfig | None = Field(default=None, description="Started and restarted by the gateway")
     canary: CanaryConfig | None = Field(default=None, description="Replaces the top-level canary section")
     budget_enforcement: BudgetEnforcement = Field(
@@ -447,6 +462,82 @@ class RedisConfig(_Section):
         return self
 
 
+class AdminConfig(_Section):
+    """The admin API under /admin (gateway/admin). Without a token it is served only on loopback."""
+
+    token: SecretStr | None = Field(
+        default=None, description="Bearer token for /admin (env WARMROUTE_ADMIN__TOKEN)"
+    )
+    token_file: str | None = Field(default=None, description="Read the token from this file instead")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="Serve /admin only on this port (and only /admin there)"
+    )
+    host: str | None = Field(default=None, description="Admin listener address; default server.host")
+    allow_managed: bool = Field(
+        default=False,
+        description="Allow POST /admin/backends with a `managed` block (it runs a command on this host)",
+    )
+    sync_interval_s: float = Field(
+        default=1.0, gt=0, description="With Redis: how often replicas poll for backend changes"
+    )
+    max_body_bytes: int = Field(default=256 * 1024, ge=1024)
+
+    def secret(self) -> str | None:
+        """The configured token (the file wins), stripped; None when none is configured."""
+        if self.token_file is not None:
+            try:
+                text = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"admin.token_file {self.token_file}: {exc.strerror}") from exc
+            return text or None
+        return (self.token.get_secret_value() or None) if self.token is not None else None
+
+
+class ClientKey(_Section):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    key: SecretStr = Field(description="The bearer token this client sends")
+
+
+class AuthConfig(_Section):
+    """Client API keys for /v1/*. None configured: /v1 is open (as before)."""
+
+    client_keys: tuple[ClientKey, ...] = Field(
+        default=(), description="[{name, key}]; env WARMROUTE_AUTH__CLIENT_KEYS='[...]' (JSON)"
+    )
+    client_keys_file: str | None = Field(
+        default=None, description="More keys, one `name key` pair per line (# comments)"
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        names = [k.name for k in self.client_keys]
+        keys = {k.key.get_secret_value() for k in self.client_keys}
+        if len(set(names)) != len(names) or len(keys) != len(names) or "" in keys:
+            raise ValueError("client key names and keys must be unique and non-empty")
+        return self
+
+    def keys(self) -> dict[str, str]:
+        """key -> client name, from the list and the file; duplicate names or keys are a ConfigError."""
+        pairs = [(k.name, k.key.get_secret_value()) for k in self.client_keys]
+        if self.client_keys_file is not None:
+            try:
+                text = Path(self.client_keys_file).read_text()
+            except OSError as exc:
+                raise ConfigError(f"auth.client_keys_file {self.client_keys_file}: {exc.strerror}") from exc
+            for n, line in enumerate(text.splitlines(), 1):
+                fields = line.split("#", 1)[0].split()
+                if not fields:
+                    continue
+                if len(fields) != 2:
+                    raise ConfigError(f"auth.client_keys_file line {n}: expected `name key`")
+                pairs.append((fields[0], fields[1]))
+        names = [n for n, _ in pairs]
+        out = {key: name for name, key in pairs}
+        if len(set(names)) != len(names) or len(out) != len(pairs) or "" in out:
+            raise ConfigError("auth: client key names and keys must be unique and non-empty")
+        return out
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="WARMROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -465,6 +556,8 @@ class Settings(BaseSettings):
     thinking: ThinkingConfig = ThinkingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict, description="Per served model")
     guard: GuardConfig = GuardConfig()
+    admin: AdminConfig = AdminConfig()
+    auth: AuthConfig = AuthConfig()
     groups: dict[str, GroupConfig] = Field(default_factory=dict, description="Exclusive on-demand groups")
     on_demand: OnDemandConfig = OnDemandConfig()
 

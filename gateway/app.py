@@ -9,23 +9,26 @@ import ipaddress
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import RoutingConfig, Settings, load_settings
+from gateway.admin import Admin
+from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
+from gateway.context import RequestContext
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
@@ -97,13 +100,17 @@ class Gateway:
         # On-demand engines (backends/ondemand.py): requests for their models wait in the waiting room.
         if self.fleet.demand is not None:
             self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
-            self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand)
+            self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
         self.created = int(time.time())
+        self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         # 1. Connect the shared state store (an unreachable Redis only degrades it; it reconnects itself).
         await self.store.start()
+        #    With Redis, backends other replicas changed at runtime are applied before the fleet starts.
+        if self.admin is not None:
+            await self.admin.start()
         # 2. Start the lifecycles (managed engines are spawned), probe every backend once and wait for the
         #    canaries that started, so a healthy cluster takes traffic as soon as we listen.
         self.fleet.start()
@@ -123,6 +130,8 @@ class Gateway:
             # requests in flight (``warmroute serve``); under other servers we wait for them here.
             # 5. Let what is still in flight finish, up to the same deadline.
             await self._drained(self.settings.server.shutdown_grace_s)
+            if self.admin is not None:
+                await self.admin.aclose()  # no runtime change is applied from here on
             # 6. Stop probing (no probe may start a canary or a restart now), then stop the lifecycles:
             #    managed engines get their stop command or SIGTERM, then SIGKILL after stop_timeout_s.
             await self.health.aclose()
@@ -136,6 +145,15 @@ class Gateway:
         deadline = time.monotonic() + grace_s
         while self.registry.total_in_flight() > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)  # shutdown only, and leases announce nothing
+
+
+def _hold_trust(settings: Settings) -> Callable[[RequestContext], bool]:
+    """Who may send ``x-warmroute-hold``: the client keys named in ``on_demand.hold_clients``, or (none
+    named) every client that passed authentication."""
+    trusted = frozenset(settings.on_demand.hold_clients)
+    if not trusted:
+        return lambda _ctx: True
+    return lambda ctx: ctx.client in trusted
 
 
 def routing_params(cfg: RoutingConfig) -> RoutingParams:
@@ -176,7 +194,9 @@ class HotPath:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False) -> HotPath:
+def create_app(
+    settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False
+) -> AccessGuard:
     """The ASGI app. ``freeze_gc``: for a serving process (``warmroute serve``), never for tests that build
     many apps in one interpreter (frozen objects are never collected)."""
     gw = Gateway(settings, store, freeze_gc=freeze_gc)
@@ -187,6 +207,7 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)
+    gw.admin = Admin(gw, {"/v1/chat/completions": chat, "/v1/completions": completions})
 
     async def models(_request: Request) -> Response:
         return JSONResponse(
@@ -232,11 +253,17 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Mount("/admin", routes=gw.admin.routes),  # behind AccessGuard, like everything under /admin
     ]
     app = Starlette(
         routes=routes,
         lifespan=gw.lifespan,
-        exception_handlers={HTTPException: _http_error, GatewayError: _gateway_error, Exception: _unexpected},
+        exception_handlers={
+            HTTPException: _http_error,
+            GatewayError: _gateway_error,
+            ClientDisconnect: _client_gone,  # here, not in the catch-all: that one logs and re-raises
+            Exception: _unexpected,
+        },
     )
     app.state.gateway = gw
     hot: dict[tuple[str, str], ASGIApp] = {}
@@ -244,10 +271,13 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         hot["POST", path] = chat
     for path in ("/v1/completions", "/v1/completions/"):
         hot["POST", path] = completions
-    return HotPath(app, hot)
+    access = AdminAccess.from_settings(settings)
+    log_admin_access(access)
+    clients = ClientKeys(settings.auth.keys())
+    return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
 
 
-def create_app_from_env() -> HotPath:
+def create_app_from_env() -> AccessGuard:
     """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
     return create_app(load_settings(os.environ.get(CONFIG_ENV)), freeze_gc=True)
 
@@ -294,6 +324,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         err = GatewayError(str(exc.detail))
         err.status = exc.status_code
     return await _gateway_error(request, err)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left mid-body: nobody to answer, nothing worth a traceback."""
+    log.debug("client disconnected during %s %s", request.method, request.url.path)
+    return Response(status_code=400)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

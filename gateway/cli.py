@@ -71,6 +71,8 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if ns.config:
         os.environ["WARMROUTE_CONFIG_FILE"] = os.path.abspath(ns.config)
+    # Workers read their settings again: they must see the listener the admin access rules are about.
+    os.environ["WARMROUTE_SERVER__HOST"] = host
     # Our Config subclass carries the inbound limits (header/body deadlines, head size, connection cap).
     config = uvicorn_config(
         "gateway.app:create_app_from_env", settings, factory=True, host=host, port=port, workers=workers

@@ -38,6 +38,7 @@ class RequestContext:
     headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names)
     started_at: float = field(default_factory=time.monotonic)
     thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any
+    client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any
     # -- filled in by the proxy's phases --------------------------------------------------------------
     task: asyncio.Task[None] | None = None
     reason: Reason = Reason.NO_BACKEND

@@ -252,7 +252,8 @@ class Continuation:
         ctx.upstream = None
         backend = ctx.lease.backend
         payload = canonical_json(self.phase2_body(ctx.body, phase, stream=stream))
-        headers = upstream_headers(ctx.headers, backend.cfg.api_key)
+        forward = ctx.client is None or backend.cfg.forward_client_key
+        headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
         watch = first.watch if isinstance(first, _Timed) else None
         if watch is not None:
             watch.sending = True  # waiting for the head is timed by first_byte_s, as on a first attempt

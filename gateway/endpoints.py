@@ -11,6 +11,7 @@ from urllib.parse import unquote
 from starlette.types import Receive, Scope, Send
 
 from config.settings import RoutingConfig
+from gateway.auth import client_of
 from gateway.budgets import BudgetPolicy
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
@@ -81,7 +82,9 @@ class Endpoint:
     def make(
         self, scope: Scope, path: str, raw: bytes, body: dict[str, Any] | None, model: str | None, key: str
     ) -> RequestContext:
-        return RequestContext(scope["method"], path, raw, body, model, key, self.policy, scope["headers"])
+        ctx = RequestContext(scope["method"], path, raw, body, model, key, self.policy, scope["headers"])
+        ctx.client = client_of(scope)  # the client key's configured name (gateway/auth.py), if keys are on
+        return ctx
 
 
 class ChatCompletions(Endpoint):

@@ -34,6 +34,16 @@ class Metrics:
             "warmroute_shared_state_degraded", "1 while the shared state store is unreachable", registry=r
         )
         r.register(_BackendCollector(backends))
+        self.clients = ClientRequests()
+        r.register(self.clients)
+
+    def forget_backend(self, backend: str) -> None:
+        """A backend was removed at runtime: drop every series labelled with it (keys are the backend id
+        or tuples that start with it, in every tally)."""
+        for table in vars(self.tally).values():
+            if isinstance(table, dict):
+                for key in [k for k in table if k == backend or (isinstance(k, tuple) and k[0] == backend)]:
+                    del table[key]
 
     def decision(self, reason: Reason) -> None:
         self.tally.decisions[reason] += 1
@@ -273,3 +283,22 @@ class OnDemandMetrics:
 
     def depth(self, model: str, waiting: int) -> None:
         self.waiting.labels(model).set(waiting)
+
+
+class ClientRequests(Collector):
+    """``warmroute_client_requests_total{client}``: /v1 requests per client key (names from config only)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def declare(self, names: Iterator[str] | list[str]) -> None:
+        for name in names:
+            self.counts.setdefault(name, 0)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "warmroute_client_requests", "Requests to /v1 by client key name", labels=["client"]
+        )
+        for name, n in list(self.counts.items()):
+            family.add_metric([name], n)
+        yield family

@@ -229,7 +229,8 @@ class Proxy:
             for step in self.steps:
                 await step.prepare(ctx, backend, draft)
             payload = draft.payload(ctx.raw)
-        headers = upstream_headers(ctx.headers, backend.cfg.api_key)
+        forward = ctx.client is None or backend.cfg.forward_client_key  # a gateway client key stays here
+        headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
         budget = min(self.timeouts.first_byte_s, ctx.remaining(self.timeouts.request_s))
         try:
             async with asyncio.timeout(budget):
@@ -440,15 +441,18 @@ async def _watch_disconnect(receive: Receive, ctx: RequestContext) -> None:
             return
 
 
-def upstream_headers(client: Sequence[tuple[bytes, bytes]], api_key: str | None) -> list[tuple[bytes, bytes]]:
-    """What the engine gets: our framing, the client's accept and request id, and the right credentials."""
+def upstream_headers(
+    client: Sequence[tuple[bytes, bytes]], api_key: str | None, forward_auth: bool = True
+) -> list[tuple[bytes, bytes]]:
+    """What the engine gets: our framing, the client's accept and request id, and the right credentials
+    (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway)."""
     accept = request_id = auth = None
     for name, value in client:
         if name == b"accept":
             accept = accept or value
         elif name == b"x-request-id":
             request_id = request_id or value
-        elif name == b"authorization":
+        elif name == b"authorization" and forward_auth:
             auth = auth or value
     headers = [
         (b"content-type", b"application/json"),

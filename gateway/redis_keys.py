@@ -13,6 +13,12 @@ disagree without harm):
                               replica's publication counter; an older snapshot never overwrites a newer
                               one). ``PEXPIRE`` = lease TTL; the replica republishes on every round trip
                               and at least every ``heartbeat_s``, so a crashed replica's counts vanish.
+``P admin:backends``          hash: backend id -> JSON of its runtime record (admin API):
+                              ``{"config": {...}}`` for a backend added or changed at runtime, ``{"config":
+                              null}`` for one
+                              removed, plus ``"drained"``/``"cordoned"`` operator flags. No TTL.
+``P admin:version``           integer, INCR'd with every write to the hash above (same MULTI); replicas
+                              poll it and re-read the hash when it moved (gateway/admin/sync.py).
 ``P epoch``                   random token set by the first replica to find it missing. A change means
                               Redis lost its data (restart without persistence, FLUSHALL): replicas then
                               write their local pins back.
@@ -54,3 +60,11 @@ class RedisKeys:
     @property
     def epoch(self) -> str:
         return f"{self.prefix}epoch"
+
+    @property
+    def admin_backends(self) -> str:
+        return f"{self.prefix}admin:backends"
+
+    @property
+    def admin_version(self) -> str:
+        return f"{self.prefix}admin:version"

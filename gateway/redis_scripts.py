@@ -111,3 +111,15 @@ for i = 1, #KEYS do
 end
 return written
 """
+
+
+#: Forget one pin (admin API). KEYS[1] pin key; ARGV[1] conversations prefix, ARGV[2] conversation.
+#: Returns the backend it was pinned to, or false.
+FORGET = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', ARGV[1] .. cur, ARGV[2])
+end
+return cur
+"""

@@ -83,6 +83,7 @@ class RedisAffinityStore:
         self._commit = self._client.register_script(redis_scripts.COMMIT)
         self._heartbeat = self._client.register_script(redis_scripts.HEARTBEAT)
         self._restore = self._client.register_script(redis_scripts.RESTORE)
+        self._forget = self._client.register_script(redis_scripts.FORGET)
         self._ttl_ms = max(1, int(routing.affinity_ttl_s * 1000))
         self._max_pending = routing.affinity_max_entries
         self._backends = tuple(backends)
@@ -114,6 +115,7 @@ class RedisAffinityStore:
         if key is not None:
             keys.append(self.keys.pin(key))
         extra = (self.keys.in_flight_prefix, self.keys.conversations_prefix, "0" if key is None else "1")
+        backends = self._backends  # what the script is asked about (set_backends may change it meanwhile)
         try:
             pin, convs, others = await self._run(self._view, keys, extra)
         except _FAILURES as exc:
@@ -123,8 +125,8 @@ class RedisAffinityStore:
             # Redis has no pin but we remember one: Redis lost it (restart, eviction). Our pin is at least
             # as fresh as Redis's would be (we wrote both), so use it; the commit writes it back.
             pin = self.local.table.get(key, self.local.clock())
-        conversations = dict(zip(self._backends, convs, strict=True))
-        in_flight = {b: n + self._in_flight[b] for b, n in zip(self._backends, others, strict=True)}
+        conversations = dict(zip(backends, convs, strict=True))
+        in_flight = {b: n + self._in_flight.get(b, 0) for b, n in zip(backends, others, strict=True)}
         return StoreView(pin, conversations, in_flight)
 
     async def commit(self, key: str, decision: Decision) -> str:
@@ -175,6 +177,63 @@ class RedisAffinityStore:
                         pipe.delete(self.keys.in_flight(self.replica))
                         await pipe.execute()
         await self._client.aclose(close_connection_pool=True)
+
+    # -- the admin API ------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Redis:
+        """The store's Redis client (the admin API's change feed shares its pool)."""
+        return self._client
+
+    def set_backends(self, backends: Sequence[str]) -> None:
+        """The backends to count from now on (one added or removed at runtime). No I/O."""
+        known = set(self._backends)
+        self._backends = tuple(backends)
+        # A backend added again starts from zero (its old incarnation's leases may have left a stray count).
+        self._in_flight = {b: self._in_flight.get(b, 0) if b in known else 0 for b in self._backends}
+        self._seq += 1
+
+    async def forget_backend(self, backend: str) -> None:
+        """A removed backend's shared counts go: its pinned-conversation set and our in-flight field. Its
+        pins stay, so each conversation re-pins on its next turn (``repin_removed``)."""
+        if self._degraded:
+            return
+        with contextlib.suppress(*_FAILURES):
+            async with asyncio.timeout(self.cfg.timeout_s):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.delete(self.keys.conversations(backend))
+                    pipe.hdel(self.keys.in_flight(self.replica), backend)
+                    await pipe.execute()
+
+    async def pin(self, key: str) -> tuple[str, float | None] | None:
+        """(backend, seconds left) of the pin of ``key``, or None; from the local mirror when degraded."""
+        if not self._degraded:
+            try:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.get(self.keys.pin(key))
+                    pipe.pttl(self.keys.pin(key))
+                    backend, ttl_ms = await pipe.execute()
+            except _FAILURES as exc:
+                self._degrade(exc)
+            else:
+                return None if backend is None else (backend, ttl_ms / 1000 if ttl_ms >= 0 else None)
+        found = self.local.table.entry(key)
+        return None if found is None else (found[0], max(0.0, found[1] - self.local.clock()))
+
+    async def forget(self, key: str) -> str | None:
+        """Drop the pin of ``key`` everywhere; the backend it named, or None."""
+        local = self.local.table.forget(key)
+        self._pending.pop(key, None)
+        if self._degraded:
+            return local
+        try:
+            found: str | None = await self._forget(
+                keys=[self.keys.pin(key)], args=[self.keys.conversations_prefix, key]
+            )
+        except _FAILURES as exc:
+            self._degrade(exc)
+            return local
+        return found or local
 
     # -- round trips --------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import contextlib
 import inspect
 import logging
 import resource
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -91,8 +92,17 @@ class _Throttle:
 class GatewayConfig(uvicorn.Config):
     """uvicorn's Config plus our inbound limits. Pickled to each worker like any uvicorn Config."""
 
-    def __init__(self, app: Any, *, limits: InboundLimits, needed_fds: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        limits: InboundLimits,
+        needed_fds: int = 0,
+        admin_listen: tuple[str, int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(app, http=GatewayHttpProtocol, **kwargs)
+        self.admin_listen = admin_listen  # a second listener for /admin only (``admin.port``)
         self.inbound_limits = limits
         self.needed_fds = needed_fds  # client cap + upstream pools + a reserve: what ``run`` asks the OS for
         self.busy_log = _Throttle(BUSY_LOG_EVERY_S)
@@ -116,15 +126,20 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> GatewayCon
     limits = InboundLimits.from_settings(settings)
     upstream = settings.limits.max_connections * max(1, len(settings.backends))  # the pool is per origin
     needed = limits.max_connections + upstream + FD_RESERVE
-    return GatewayConfig(app, limits=limits, needed_fds=needed, **options)
+    admin = settings.admin
+    listen = None if admin.port is None else (admin.host or str(options["host"]), admin.port)
+    return GatewayConfig(app, limits=limits, needed_fds=needed, admin_listen=listen, **options)
 
 
 def run(config: GatewayConfig) -> int:
     """Serve until told to stop (what ``uvicorn.run`` does, for a Config we built). Exit status."""
     ensure_fd_limit(config.needed_fds)
     server = uvicorn.Server(config)
-    if config.workers > 1:
-        sockets = [config.bind_socket()]
+    if config.workers > 1 or config.admin_listen is not None:
+        sockets = [config.bind_socket(), *_admin_socket(config)]
+        if config.workers == 1:
+            server.run(sockets=sockets)
+            return 0 if server.started else STARTUP_FAILURE
         if "target" in inspect.signature(Multiprocess).parameters:  # uvicorn < 0.36 wants the target
             Multiprocess(config, target=server.run, sockets=sockets).run()  # type: ignore[call-arg]
         else:
@@ -132,6 +147,20 @@ def run(config: GatewayConfig) -> int:
         return 0
     server.run()
     return 0 if server.started else STARTUP_FAILURE
+
+
+def _admin_socket(config: GatewayConfig) -> list[socket.socket]:
+    """The admin listener, bound like uvicorn binds its own (inheritable, for the workers)."""
+    if config.admin_listen is None:
+        return []
+    host, port = config.admin_listen
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    log.info("admin API listening on %s:%d", host, port)
+    return [sock]
 
 
 def ensure_fd_limit(needed: int) -> None:

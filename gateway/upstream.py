@@ -206,6 +206,21 @@ class UpstreamPool:
             conn.abort()
         await asyncio.sleep(0)  # let the transports run connection_lost and close their sockets
 
+    def close_origin(self, origin: str) -> int:
+        """A backend was removed: close its idle connections and forget the origin. Busy ones close when
+        their response ends (they are not pooled again). Returns how many were closed now."""
+        dest = self._origins.pop(origin, None)
+        if dest is None:
+            return 0
+        closed = len(dest.idle)
+        while dest.idle:
+            dest.idle.pop().abort()
+        return closed
+
+    def connections(self, origin: str) -> int:
+        """Open connections (idle or busy) to ``origin``."""
+        return sum(1 for c in self._conns if c.origin.name == origin)
+
     async def _wait_for_permit(self, dest: Origin, wait_s: float) -> None:
         try:
             async with asyncio.timeout(wait_s):
@@ -261,7 +276,7 @@ class UpstreamPool:
     def _finish(self, conn: Connection) -> None:
         dest = conn.origin
         dest.permits.release()
-        if self._closed:
+        if self._closed or self._origins.get(dest.name) is not dest:  # closed, or its origin was removed
             conn.abort()
             return
         if not conn.release():

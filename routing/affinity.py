@@ -82,6 +82,14 @@ class AffinityTable:
             self._drop(found[0], key, found[1])
         self._insert(key, backend, now)
 
+    def forget(self, key: str) -> str | None:
+        """Drop the pin of ``key`` (an operator's request); the backend it named, or None."""
+        found = self._find(key)
+        if found is None:
+            return None
+        self._drop(found[0], key, found[1])
+        return self._names[found[1]]
+
     def forget_backend(self, backend: str) -> int:
         """Drop every pin to ``backend`` (it was removed from the config). Returns how many."""
         index = self._index.get(backend)

@@ -318,8 +318,17 @@ async def test_a_hold_keeps_the_engine_and_the_other_model_gets_503_naming_it() 
     backends, extra = pair(idle_ttl_s=0.2)
     async with gateway(backends, **extra) as (url, gw), httpx.AsyncClient(timeout=WITHIN) as c:
         assert (await c.post(url + "/v1/chat/completions", json=chat("ma"))).status_code == 200
-        held = gw.fleet.hold("a", 30, "benchmark run 7")
-        assert held["hold"]["reason"] == "benchmark run 7" and held["phase"] == "ready"
+        admin = url + "/admin/backends"
+        bad = await c.post(admin + "/a/hold", json={"duration_s": -1})
+        assert (bad.status_code, bad.json()["error"]["param"]) == (422, "duration_s")
+        assert (await c.post(admin + "/zz/hold", json={"duration_s": 30})).status_code == 404
+        r = await c.post(admin + "/a/hold", json={"duration_s": 30, "reason": "benchmark run 7"})
+        held = r.json()["on_demand"]
+        assert (
+            r.status_code == 200 and held["hold"]["reason"] == "benchmark run 7" and held["phase"] == "ready"
+        )
+        removal = await c.delete(admin + "/a")  # the scheduler comes from the config file
+        assert removal.status_code == 409 and "on-demand engine" in removal.json()["error"]["message"]
         r = await c.post(url + "/v1/chat/completions", json=chat("mb"))
         assert r.status_code == 503 and 29 <= int(r.headers["retry-after"]) <= 30
         err = r.json()["error"]
@@ -331,7 +340,8 @@ async def test_a_hold_keeps_the_engine_and_the_other_model_gets_503_naming_it() 
         status = (await c.get(url + "/readyz")).json()["backends"]
         assert status["a"]["on_demand"]["hold"]["reason"] == "benchmark run 7"
         assert status["a"]["state"] == "ready"  # idle far past its 0.2 s TTL, held
-        gw.fleet.release_hold("a")
+        released = await c.delete(admin + "/a/hold")
+        assert released.status_code == 200 and released.json()["on_demand"]["hold"] is None
         r = await c.post(url + "/v1/chat/completions", json=chat("mb"))
         assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "b")
         accounted(gw)
@@ -349,6 +359,45 @@ async def test_the_hold_header_holds_the_engine_when_enabled() -> None:
         assert r.status_code == 503 and r.json()["error"]["message"].startswith(
             "backend b cannot start: group 'gpu' is held by backend a (x-warmroute-hold on a request for ma)"
         )
+
+
+async def test_only_the_client_keys_named_in_hold_clients_may_hold_by_header() -> None:
+    backends, extra = pair()
+    keys = {
+        "client_keys": [
+            {"name": "bench", "key": "k-bench-0123456789"},
+            {"name": "chat", "key": "k-chat-0123456789"},
+        ]
+    }
+    async with (
+        gateway(backends, on_demand={"hold_header": True, "hold_clients": ["bench"]}, auth=keys, **extra) as (
+            url,
+            gw,
+        ),
+        httpx.AsyncClient(timeout=WITHIN) as c,
+    ):
+        hold = {"x-warmroute-hold": "60"}
+        r = await c.post(
+            url + "/v1/chat/completions",
+            json=chat("ma"),
+            headers={**hold, "authorization": "Bearer k-chat-0123456789"},
+        )
+        assert r.status_code == 200 and gw.fleet.status()["a"]["on_demand"]["hold"] is None  # not trusted
+        r = await c.post(
+            url + "/v1/chat/completions",
+            json=chat("ma"),
+            headers={**hold, "authorization": "Bearer k-bench-0123456789"},
+        )
+        assert r.status_code == 200 and gw.fleet.status()["a"]["on_demand"]["hold"] is not None
+
+
+async def test_on_demand_backends_cannot_be_added_at_runtime() -> None:
+    backends, extra = pair()
+    async with gateway(backends, **extra) as (url, _gw), httpx.AsyncClient(timeout=WITHIN) as c:
+        new = sim_engine("c", "mc", group="gpu")
+        r = await c.post(url + "/admin/backends", json=new)
+        assert r.status_code == 422  # managed without admin.allow_managed, or on-demand: refused either way
+        assert (await c.post(url + "/admin/backends/b/hold", json={"duration_s": 5})).status_code == 200
 
 
 # -- failures and bounds -------------------------------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""The admin plane under ``/admin``: a JSON API over the running gateway, with its OpenAPI document.
+
+- ``api``: handlers and the operation table; ``openapi``: the document generated from that table and the
+  pydantic models (``models``); ``body``: safe body reading and responses;
+- ``runtime``: backend changes applied to this replica; ``sync``: the Redis change feed that carries them
+  to the other replicas; ``explain``: the routing dry run; ``pins``: pin lookups over either store.
+
+Authentication is not here: ``gateway.auth.AccessGuard`` wraps the whole app and covers every path under
+``/admin``, including routes other modules add to ``Admin.routes`` (the status page, say).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.admin.api import AdminApi, operations
+from gateway.admin.explain import Explainer
+from gateway.admin.openapi import Operation, document
+from gateway.admin.runtime import LocalChanges
+from gateway.admin.sync import ChangeFeed
+from gateway.redis_store import RedisAffinityStore
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.endpoints import Endpoint
+
+
+class Admin:
+    """Built by ``create_app``; ``start``/``aclose`` run in the app's lifespan."""
+
+    def __init__(self, gw: Gateway, endpoints: Mapping[str, Endpoint]) -> None:
+        self.local = LocalChanges(gw)
+        self.feed: ChangeFeed | None = None
+        if isinstance(gw.store, RedisAffinityStore):
+            admin = gw.settings.admin
+            self.feed = ChangeFeed(
+                gw.store.client, gw.store.keys, self.local, admin.sync_interval_s, admin.allow_managed
+            )
+        explainer = Explainer(gw.registry, gw.store, gw.settings.routing.policy.value, endpoints)
+        self.api = AdminApi(gw, explainer, self.feed, self.local)
+        self.operations: list[Operation] = operations(self.api)
+        self._document: dict[str, object] | None = None
+
+    @property
+    def routes(self) -> list[BaseRoute]:
+        """Routes under /admin (paths relative to it): mount them with ``Mount("/admin", routes=...)``."""
+        routes: list[BaseRoute] = [Route(op.path, op.handler, methods=[op.method]) for op in self.operations]
+        routes.append(Route("/openapi.json", self.openapi, methods=["GET"]))
+        return routes
+
+    async def openapi(self, _request: Request) -> Response:
+        if self._document is None:
+            self._document = document(self.operations)
+        return JSONResponse(self._document)
+
+    async def start(self) -> None:
+        """Before the fleet starts: apply what other replicas changed at runtime, then follow the feed."""
+        if self.feed is not None:
+            await self.feed.start()
+
+    async def aclose(self) -> None:
+        if self.feed is not None:
+            await self.feed.aclose()

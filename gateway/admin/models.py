@@ -1,0 +1,154 @@
+"""The admin API's bodies: pydantic models at the edge, and the source of its OpenAPI document.
+
+Requests forbid unknown fields (a typo is a 422 naming it, not a silent no-op). Responses describe what the
+handlers return; fields whose inner shape belongs to another module (lifecycle status, canary results,
+engine signals) are plain objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendPatch(_Request):
+    weight: float = Field(gt=0, le=1e6, allow_inf_nan=False, description="New routing weight")
+
+
+class HoldRequest(_Request):
+    duration_s: float = Field(gt=0, le=30 * 86_400, allow_inf_nan=False, description="How long to hold")
+    reason: str = Field(default="", max_length=200, description="Shown to the requests the hold refuses")
+
+
+class ExplainRequest(_Request):
+    """Give a conversation ``key`` (as stored: see /admin/pins), or a sample request ``body`` for ``path``;
+    the key is then computed exactly as that endpoint computes it (``headers`` may carry a session id)."""
+
+    key: str | None = Field(default=None, min_length=1, max_length=4096)
+    model: str | None = Field(default=None, min_length=1, max_length=1024, description="With ``key``")
+    path: str = Field(default="/v1/chat/completions", pattern=r"^/v1/(chat/completions|completions)$")
+    body: dict[str, Any] | None = None
+    headers: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class Problem(BaseModel):
+    """OpenAI's error shape: every 4xx/5xx of the admin API."""
+
+    class Detail(BaseModel):
+        message: str
+        type: str
+        param: str | None
+        code: str
+
+    error: Detail
+
+
+class BackendView(BaseModel):
+    id: str
+    url: str
+    models: list[str]
+    weight: float
+    dialect: str
+    source: str = Field(description="config | runtime (added through the admin API)")
+    state: str
+    reason: str
+    routable: bool
+    drained: bool
+    cordoned: bool
+    circuit: str
+    probe_failures: int
+    in_flight: int = Field(description="Requests in flight from this replica")
+    in_flight_shared: int | None = Field(description="All replicas (Redis), None without shared state")
+    pinned_conversations: int
+    engine_signals: dict[str, Any] = Field(
+        description="The engine's /metrics read now (vLLM queue and prefix-cache series) plus the "
+        "signals routing keeps for it"
+    )
+    last_error: str | None = Field(description="Of the last failed health probe")
+    last_checked: float | None
+    canary: dict[str, Any] | None = Field(description="Last canary run: passed, check_name, answer, at, ...")
+    managed: dict[str, Any] | None = Field(description="Managed engine: pid, exits, restarts, last lines")
+
+
+class BackendList(BaseModel):
+    backends: list[BackendView]
+
+
+class ChangeResult(BaseModel):
+    """What a runtime change did, on this replica and for the others."""
+
+    backend: BackendView | None
+    propagated: bool = Field(description="Written to Redis for the other replicas (false: no Redis/down)")
+    warnings: list[str] = Field(default_factory=list)
+
+
+class Removed(BaseModel):
+    id: str
+    propagated: bool
+    in_flight_at_removal: int = Field(description="Requests still running there; they finish on their own")
+    models_left_without_backend: list[str]
+    connections_closed: int
+    warnings: list[str] = Field(default_factory=list)
+
+
+class HoldResult(BaseModel):
+    id: str
+    on_demand: dict[str, Any] = Field(description="The engine's on-demand status after the change")
+    note: str = "holds are kept by this replica, which runs the engine's scheduler"
+
+
+class CanaryRun(BaseModel):
+    id: str
+    passed: bool
+    result: dict[str, Any]
+    state: str = Field(description="Lifecycle state after the run (an out-of-band run changes no state)")
+    note: str
+
+
+class CandidateView(BaseModel):
+    id: str
+    state: str
+    routable: bool
+    in_flight: int
+    conversations: int
+    weight: float
+    load: float
+    signals: dict[str, Any]
+
+
+class Explanation(BaseModel):
+    key: str
+    model: str | None
+    policy: str
+    pinned: str | None
+    backend: str | None
+    reason: str
+    pin_action: str
+    candidates: list[CandidateView]
+    note: str
+
+
+class PinView(BaseModel):
+    key: str
+    backend: str
+    expires_in_s: float | None
+    backend_configured: bool = Field(description="False: the next turn re-pins (repin_removed)")
+
+
+class Forgotten(BaseModel):
+    key: str
+    backend: str
+
+
+class AffinityStats(BaseModel):
+    store: str
+    degraded: bool
+    pins: int
+    per_backend: dict[str, int]
+    decisions: dict[str, int]
+    hit_rate: float | None = Field(description="affinity_hit / every decision for a conversation")
