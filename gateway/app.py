@@ -23,8 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.fleet import Fleet
 from backends.health import HealthChecker
+from backends.managed import BackendController
 from backends.registry import Registry
-from config.settings import RoutingConfig, Settings, load_settings
+from config.settings import BackendConfig, RoutingConfig, Settings, load_settings
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
@@ -34,6 +35,7 @@ from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
+from gateway.status_page import status_page
 from gateway.upstream import UpstreamPool
 from routing.params import RoutingParams
 from routing.policies import Policy, make_policy
@@ -65,7 +67,7 @@ class Gateway:
             follow_redirects=False,
         )
         # One lifecycle controller per backend, the one writer of its state; probes and the proxy feed it.
-        self.fleet = Fleet(self.registry, settings, self.client)
+        self.fleet = Fleet(self.registry, settings, self.client, make=self._controller)
         self.health = HealthChecker(self.registry, self.client, settings.health, self.fleet)
         # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
         self.transport = UpstreamPool(
@@ -84,6 +86,7 @@ class Gateway:
             self.metrics,
             self.transport,
             guard=settings.guard,
+            observers=(self.metrics,),  # tokens, TTFT, requests by model and route reason
         )
         # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
         # by the gateway where the engine cannot, reasoning output in the fields clients expect.
@@ -94,6 +97,17 @@ class Gateway:
         )
         self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
         self.created = int(time.time())
+
+    def _controller(self, cfg: BackendConfig, *args: Any) -> BackendController:
+        """Each lifecycle controller reports its transitions to the metrics (canaries, restarts)."""
+        controller = BackendController.from_settings(cfg, *args)
+        controller.on_transition = self.metrics.transition
+        return controller
+
+    async def scrape(self) -> bytes:
+        """The /metrics body. Pinned-conversation counts are read first: from Redis, that is a round trip."""
+        self.metrics.backends.conversations = (await self.store.view(None)).conversations
+        return generate_latest(self.metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -212,7 +226,10 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(_request: Request) -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+    async def status(_request: Request) -> Response:
+        return await status_page(gw)
 
     routes = [
         # A trailing slash reaches the same endpoint (validation and affinity included), never the engine.
@@ -226,6 +243,7 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/status", status, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
