@@ -42,7 +42,7 @@ th{background:#eef1f5;font-weight:600}
   background:#7a8394}
 .s-ready{background:#1f8a4c}.s-canary,.s-starting{background:#b7791f}.s-down{background:#c53030}
 .s-draining,.s-cordoned{background:#4a5568}
-.bar{width:10em;height:.8em;background:#e6e9ef;border-radius:3px;overflow:hidden;display:inline-block}
+.load{white-space:nowrap}.bar{width:10em;height:.8em;background:#e6e9ef;border-radius:3px;overflow:hidden;display:inline-block}
 .bar span{display:block;height:100%;background:#3b6fd8}
 .reason{color:#3d4555;max-width:38em;word-break:break-word}.bad{color:#c53030}.ok{color:#1f8a4c}
 """
@@ -181,7 +181,7 @@ def _row(r: BackendRow, scale: int) -> str:
         f'<tr class=backend data-backend="{escape(r.id)}" data-state="{state}">'
         f"<td><b>{escape(r.id)}</b><br><span class=meta>weight {r.weight:g}</span></td>"
         f'<td><span class="state s-{state}">{state}</span>{circuit}</td>'
-        f'<td><span class=bar><span style="width:{width}%"></span></span> {r.in_flight}'
+        f'<td class=load><span class=bar><span style="width:{width}%"></span></span> {r.in_flight}'
         f" <span class=meta>of {scale}</span></td>"
         f"<td>{r.conversations}</td>"
         f"<td class={canary_cls}>{escape(r.canary)}</td>"
