@@ -12,6 +12,7 @@ the metrics' tallies) into plain values; ``render`` turns them into HTML and doe
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING, Any
@@ -82,7 +83,7 @@ async def status_page(gw: Gateway) -> HTMLResponse:
     return HTMLResponse(html, headers=headers)
 
 
-def snapshot(gw: Gateway, conversations: dict[str, int] | Any) -> StatusData:
+def snapshot(gw: Gateway, conversations: Mapping[str, int]) -> StatusData:
     status = gw.fleet.status()
     rows = []
     for b in list(gw.registry.backends.values()):

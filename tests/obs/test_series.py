@@ -29,6 +29,7 @@ from backends.registry import Registry
 from config.settings import load_settings
 from gateway.metrics import Metrics, RestartCause
 from routing.types import BackendState
+from tools.redis_server import RedisServer
 
 from clusters import ClusterFactory
 from upstreams import FakeEngine
@@ -243,3 +244,31 @@ def wait_for(condition: Any, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("condition not met in time")
         time.sleep(0.02)
+
+
+def test_pinned_conversations_come_from_the_shared_store(
+    cluster: ClusterFactory, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    shared = {"redis": {"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0}}
+    one, other = cluster(["a", "b"], **shared), cluster(["a", "b"], **shared)
+    assert chat(one.url, "first conversation").status_code == 200
+    assert chat(one.url, "second conversation").status_code == 200
+    one.wait_idle()
+    # The other replica routed nothing, and its scrape shows the pins all the same.
+    assert samples(other.url, "warmroute_backend_conversations") == {
+        labels(backend="a"): 1,
+        labels(backend="b"): 1,
+    }
+    assert nonzero(other.url, "warmroute_requests_total") == {}
+
+
+def test_unknown_model_on_a_passthrough_route_gets_no_series(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])
+    r = httpx.post(c.url + "/v1/embeddings", json={"model": "not-configured", "input": "x"})
+    assert r.status_code == 404
+    assert httpx.post(c.url + "/v1/embeddings", json={"model": "m", "input": "x"}).status_code == 200
+    c.wait_idle()
+    assert nonzero(c.url, "warmroute_routed_requests_total") == {
+        labels(model="m", backend="a", reason="least_loaded", outcome="ok"): 1
+    }
+    assert "not-configured" not in scrape_text(c.url)
