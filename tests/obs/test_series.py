@@ -27,12 +27,14 @@ from backends.events import (
 from backends.lifecycle import Lifecycle, LifecyclePolicy, transition
 from backends.registry import Registry
 from config.settings import load_settings
+from gateway.app import create_app
 from gateway.metrics import Metrics, RestartCause
 from routing.types import BackendState
+from tools.procs import free_port
 from tools.redis_server import RedisServer
 
 from clusters import ClusterFactory
-from upstreams import FakeEngine
+from upstreams import FakeEngine, serve
 
 
 def chat(url: str, content: str = "hello", **extra: Any) -> httpx.Response:
@@ -272,3 +274,25 @@ def test_unknown_model_on_a_passthrough_route_gets_no_series(cluster: ClusterFac
         labels(model="m", backend="a", reason="least_loaded", outcome="ok"): 1
     }
     assert "not-configured" not in scrape_text(c.url)
+
+
+def test_a_managed_engine_that_keeps_exiting_counts_restarts_and_the_give_up() -> None:
+    """The real wiring: the gateway's own controllers report to its metrics (gateway.app sets the hook)."""
+    failing = {
+        "command": ["sh", "-c", "echo cannot load the weights; exit 3"],
+        "restart": {"grace_s": 0, "backoff_initial_s": 0.05, "max_restarts": 2, "window_s": 60},
+    }
+    url = f"http://127.0.0.1:{free_port()}"
+    backend = {"id": "m", "url": url, "models": ["m"], "managed": failing}
+    settings = load_settings(None, backends=[backend], health={"interval_s": 0.2, "timeout_s": 1})
+    app = create_app(settings)
+    with serve(app) as (gateway_url, _server):
+        gw = app.state.gateway
+        wait_for(lambda: gw.fleet.controllers["m"].lifecycle.gave_up)
+        assert nonzero(gateway_url, "warmroute_backend_restarts_total") == {
+            labels(backend="m", cause="exited"): 2
+        }
+        assert nonzero(gateway_url, "warmroute_backend_give_ups_total") == {labels(backend="m"): 1}
+        page = httpx.get(gateway_url + "/admin/status").text
+        assert page.count("<td class=bad>restart</td><td>exited</td>") == 2
+        assert "gave up" in page
