@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx
@@ -49,6 +49,9 @@ from backends.supervisor import ExitInfo, Supervisor
 from config.settings import BackendConfig, BreakerConfig, CanaryConfig, HealthConfig, ManagedConfig, Settings
 
 CanaryRunner = Callable[[], Awaitable[CanaryResult]]
+#: Told of every applied event: the controller (its lifecycle already the new one), the event, the lifecycle
+#: before it and the actions that came out. The gateway's metrics count canaries and restarts from it.
+TransitionHook = Callable[["BackendController", Event, Lifecycle, Sequence[Action]], None]
 EXITS_KEPT = 10
 STATUS_LINES = 20
 
@@ -98,6 +101,7 @@ class BackendController:
         self.policy = policy
         self.breaker = breaker or CircuitBreaker()
         self.on_change = on_change
+        self.on_transition: TransitionHook | None = None
         self.log = logger or log
         self.exits: deque[ExitInfo] = deque(maxlen=EXITS_KEPT)
         self.last_canary: CanaryResult | None = None
@@ -211,6 +215,11 @@ class BackendController:
     def _apply(self, event: Event) -> None:
         before = self._lc
         self._lc, actions = transition(before, event, self._clock(), self.policy)
+        if self.on_transition is not None:
+            try:
+                self.on_transition(self, event, before, actions)
+            except Exception:  # an observer's bug must not stop the writer
+                self.log.exception("backend %s: on_transition failed", self.id)
         for action in actions:
             self._execute(action)
         if self.on_change is not None and (self._lc.state, self._lc.routable) != (

@@ -23,8 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.fleet import Fleet
 from backends.health import HealthChecker
+from backends.managed import BackendController
 from backends.registry import Registry
-from config.settings import RoutingConfig, Settings, load_settings
+from config.settings import BackendConfig, RoutingConfig, Settings, load_settings
 from gateway.admin import Admin
 from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
@@ -37,6 +38,7 @@ from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.state import AffinityStore, MemoryAffinityStore
+from gateway.status_page import status_page
 from gateway.upstream import UpstreamPool
 from gateway.waiting import WaitingRoom
 from routing.params import RoutingParams
@@ -69,7 +71,7 @@ class Gateway:
             follow_redirects=False,
         )
         # One lifecycle controller per backend, the one writer of its state; probes and the proxy feed it.
-        self.fleet = Fleet(self.registry, settings, self.client)
+        self.fleet = Fleet(self.registry, settings, self.client, make=self._controller)
         self.health = HealthChecker(self.registry, self.client, settings.health, self.fleet)
         # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
         self.transport = UpstreamPool(
@@ -88,6 +90,7 @@ class Gateway:
             self.metrics,
             self.transport,
             guard=settings.guard,
+            observers=(self.metrics,),  # tokens, TTFT, requests by model and route reason
         )
         # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
         # by the gateway where the engine cannot, reasoning output in the fields clients expect.
@@ -103,6 +106,17 @@ class Gateway:
             self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
         self.created = int(time.time())
         self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
+
+    def _controller(self, cfg: BackendConfig, *args: Any) -> BackendController:
+        """Each lifecycle controller reports its transitions to the metrics (canaries, restarts)."""
+        controller = BackendController.from_settings(cfg, *args)
+        controller.on_transition = self.metrics.transition
+        return controller
+
+    async def scrape(self) -> bytes:
+        """The /metrics body. Pinned-conversation counts are read first: from Redis, that is a round trip."""
+        self.metrics.backends.conversations = (await self.store.view(None)).conversations
+        return generate_latest(self.metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -239,7 +253,10 @@ def create_app(
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(_request: Request) -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+    async def status(_request: Request) -> Response:
+        return await status_page(gw)
 
     routes = [
         # A trailing slash reaches the same endpoint (validation and affinity included), never the engine.
@@ -253,7 +270,7 @@ def create_app(
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Mount("/admin", routes=gw.admin.routes),  # behind AccessGuard, like everything under /admin
+        Mount("/admin", routes=[*gw.admin.routes, Route("/status", status, methods=["GET"])]),  # AccessGuard
     ]
     app = Starlette(
         routes=routes,

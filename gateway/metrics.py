@@ -1,29 +1,86 @@
 """All Prometheus collectors, in one place, on a per-app registry (several apps can share a process).
 
-Label values come only from enums and configuration (backend ids, reasons), never from client input.
+Label values come only from enums and configuration (backend ids, model names, canary check names, reasons),
+never from client input: a request for an unknown model is refused before routing, so ``model`` is always a
+configured name (or empty for a body without one). No family here is built with a creation time, so no
+``_created`` series are exported.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from backends.events import (
+    Action,
+    CanaryFailed,
+    CanaryPassed,
+    Event,
+    GiveUp,
+    Operator,
+    ProbeFailed,
+    ProcessExited,
+    RestartProcess,
+    TimerFired,
+    TimerKind,
+)
+from backends.lifecycle import Lifecycle
 from backends.registry import Registry
+from gateway.observe import Observation
 from gateway.outcomes import AttemptOutcome, RequestOutcome
 from routing.types import BackendState, Reason
 
+if TYPE_CHECKING:
+    from backends.managed import BackendController
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _BUCKET_LABELS = tuple(repr(float(bound)) for bound in _LATENCY_BUCKETS)  # "1.0", as Prometheus writes them
+#: Restarts and canary failures kept for the status page.
+RECENT_KEPT = 20
+#: The ``check`` label of a canary that passed (all its checks did).
+CANARY_ALL = "all"
+
+_K = TypeVar("_K", bound=tuple[str, ...])
+_V = TypeVar("_V")
+_Families = Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]
+
+
+class RestartCause(StrEnum):
+    """Why a managed engine was restarted: the event that took it down. Values are metric labels."""
+
+    EXITED = "exited"  # the process exited, was killed or could not be started
+    START_TIMEOUT = "start_timeout"  # not healthy within start_timeout_s
+    UNHEALTHY = "unhealthy"  # health probes failed (or real traffic could not connect)
+    CANARY_FAILED = "canary_failed"
+    OPERATOR = "operator"  # the reset command
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleNote:
+    """A restart or a failed canary, for the status page (``detail``: engine text; escape it to show it)."""
+
+    at: float  # wall clock
+    backend: str
+    kind: str  # "restart" or "canary_failed"
+    label: str  # the restart cause or the failed check
+    detail: str
 
 
 class Metrics:
     """Every collector of the gateway. The per-request series are tallied in plain dicts and read at scrape
     time: prometheus_client's own children take a lock and run two checks per ``inc``, seven times a request,
-    which measured ~6 % of the hot path's CPU."""
+    which measured ~6 % of the hot path's CPU. ``Metrics`` is also the proxy's ``Observer`` (tokens, TTFT,
+    requests by model and reason) and the controllers' transition hook (canaries, restarts)."""
 
     def __init__(self, backends: Registry) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -33,17 +90,12 @@ class Metrics:
         self.degraded = Gauge(
             "warmroute_shared_state_degraded", "1 while the shared state store is unreachable", registry=r
         )
-        r.register(_BackendCollector(backends))
+        self.fleet = _FleetTally()
+        r.register(self.fleet)
+        self.backends = _BackendCollector(backends)
+        r.register(self.backends)
         self.clients = ClientRequests()
         r.register(self.clients)
-
-    def forget_backend(self, backend: str) -> None:
-        """A backend was removed at runtime: drop every series labelled with it (keys are the backend id
-        or tuples that start with it, in every tally)."""
-        for table in vars(self.tally).values():
-            if isinstance(table, dict):
-                for key in [k for k in table if k == backend or (isinstance(k, tuple) and k[0] == backend)]:
-                    del table[key]
 
     def decision(self, reason: Reason) -> None:
         self.tally.decisions[reason] += 1
@@ -81,6 +133,48 @@ class Metrics:
         if first_byte_s is not None:
             timing[1].observe(first_byte_s)
 
+    def observe(self, obs: Observation) -> None:
+        """The proxy's observer: a request that reached a backend is over (``gateway.observe``)."""
+        tally = self.tally
+        model = obs.model or ""
+        key = (model, obs.backend, obs.reason, obs.outcome)
+        tally.routed[key] = tally.routed.get(key, 0) + 1
+        pair = (model, obs.backend)
+        if obs.streamed and obs.first_byte_s is not None:
+            ttft = tally.ttft.get(pair)
+            if ttft is None:
+                ttft = tally.ttft[pair] = _Histogram()
+            ttft.observe(obs.first_byte_s)
+        usage = obs.usage
+        if usage is not None:
+            tokens = tally.tokens.get(pair)
+            if tokens is None:
+                tokens = tally.tokens[pair] = [0, 0, 0, 0]
+            tokens[0] += usage.prompt_tokens
+            tokens[1] += usage.completion_tokens
+            if usage.cached_tokens is not None:
+                tokens[2] += usage.cached_tokens
+                tokens[3] += usage.prompt_tokens  # the prompts whose cached share is known
+
+    def transition(
+        self, controller: BackendController, event: Event, before: Lifecycle, actions: Sequence[Action]
+    ) -> None:
+        """``BackendController.on_transition``: canary results, restarts and give-ups."""
+        self.fleet.transition(controller, event, before, actions)
+
+    def forget_backend(self, backend: str) -> None:
+        """A backend was removed at runtime: drop its series (they would otherwise be exported forever)."""
+        t = self.tally
+        _drop(t.attempts, 0, backend)
+        _drop(t.requests, 0, backend)
+        _drop(t.finish_reasons, 0, backend)
+        _drop(t.guard_trips, 0, backend)
+        t.timings.pop(backend, None)
+        _drop(t.routed, 1, backend)
+        _drop(t.ttft, 1, backend)
+        _drop(t.tokens, 1, backend)
+        self.fleet.forget(backend)
+
     def budget_attempt(self, enforced: str) -> None:
         """An attempt carrying a thinking budget: ``native``, ``gateway`` or ``off`` (thinking turned off)."""
         self.tally.budgets[enforced] = self.tally.budgets.get(enforced, 0) + 1
@@ -89,6 +183,28 @@ class Metrics:
         """A gateway-enforced request is over (only that path reads the reasoning it relays)."""
         self.tally.truncations += truncated
         self.tally.reasoning_tokens += reasoning_tokens
+
+    def affinity_hit_rate(self) -> float | None:
+        """Affinity hits among the decisions made for conversations (None before the first one)."""
+        d = self.tally.decisions
+        hits = d[Reason.AFFINITY_HIT]
+        total = hits + sum(d[r] for r in _AFFINITY_MISSES)
+        return hits / total if total else None
+
+
+#: Decisions for a conversation that did not land on its pin (for the hit rate).
+_AFFINITY_MISSES = (
+    Reason.NEW_LEAST_LOADED,
+    Reason.SPILL_OVERLOAD,
+    Reason.REPIN_UNHEALTHY,
+    Reason.REPIN_REMOVED,
+)
+
+
+def _drop(table: dict[_K, _V], position: int, backend: str) -> None:
+    """Delete the entries whose key holds ``backend`` at ``position``."""
+    for key in [k for k in table if k[position] == backend]:
+        del table[key]
 
 
 class _Histogram:
@@ -116,6 +232,13 @@ class _Histogram:
         return out
 
 
+def _counter(name: str, doc: str, labels: Sequence[str], table: Mapping[_K, int]) -> _Families:
+    family = CounterMetricFamily(name, doc, labels=list(labels))
+    for key, n in list(table.items()):
+        family.add_metric(list(key), n)
+    yield family
+
+
 class _Tally(Collector):
     """The hot path's counters and histograms, as plain numbers; families are built at scrape time."""
 
@@ -129,27 +252,45 @@ class _Tally(Collector):
         self.reasoning_tokens = 0  # reasoning tokens of gateway-enforced requests
         self.finish_reasons: dict[tuple[str, str], int] = {}
         self.guard_trips: dict[tuple[str, str], int] = {}
+        # From the observer: (model, backend, reason, outcome) and (model, backend) keys.
+        self.routed: dict[tuple[str, str, Reason, RequestOutcome], int] = {}
+        self.ttft: dict[tuple[str, str], _Histogram] = {}
+        self.tokens: dict[tuple[str, str], list[int]] = {}  # prompt, completion, cached, cache-known prompt
 
-    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> _Families:
         decisions = CounterMetricFamily(
-            "warmroute_routing_decisions", "Routing decisions by reason", labels=["reason"]
+            "warmroute_routing_decisions",
+            "Routing decisions by reason; the affinity events: affinity_hit (hit), new_least_loaded (new), "
+            "spill_overload (spill), repin_unhealthy / repin_removed (re-pin), retry_next (retry)",
+            labels=["reason"],
         )
         for reason, n in self.decisions.items():
             decisions.add_metric([reason.value], n)
-        attempts = CounterMetricFamily(
+        yield decisions
+        yield from _counter(
             "warmroute_upstream_attempts",
             "Upstream attempts by backend and outcome (a retried request makes two)",
-            labels=["backend", "outcome"],
+            ("backend", "outcome"),
+            self.attempts,
         )
-        for (backend, outcome), n in list(self.attempts.items()):
-            attempts.add_metric([backend, outcome.value], n)
-        requests = CounterMetricFamily(
+        yield from _counter(
             "warmroute_requests",
             "Client requests by the backend that answered (empty: none) and outcome",
-            labels=["backend", "outcome"],
+            ("backend", "outcome"),
+            self.requests,
         )
-        for (backend, req_outcome), n in list(self.requests.items()):
-            requests.add_metric([backend, req_outcome.value], n)
+        yield from _counter(
+            "warmroute_routed_requests",
+            "Requests that reached a backend, by model, backend, route reason (the last attempt's), outcome",
+            ("model", "backend", "reason", "outcome"),
+            self.routed,
+        )
+        yield from self._timings()
+        yield from self._tokens()
+        yield from self._output()
+        yield from self._thinking()
+
+    def _timings(self) -> _Families:
         duration = HistogramMetricFamily(
             "warmroute_request_duration_seconds", "Whole proxied request, stream included", labels=["backend"]
         )
@@ -161,28 +302,49 @@ class _Tally(Collector):
         for backend, (whole, first) in list(self.timings.items()):
             duration.add_metric([backend], whole.cumulative(), whole.sum)
             first_byte.add_metric([backend], first.cumulative(), first.sum)
-        yield from (decisions, attempts, requests, duration, first_byte)
-        yield from self._output()
-        yield from self._thinking()
+        ttft = HistogramMetricFamily(
+            "warmroute_time_to_first_token_seconds",
+            "Streamed answers: the request's arrival to the engine's first SSE chunk",
+            labels=["model", "backend"],
+        )
+        for (model, backend), h in list(self.ttft.items()):
+            ttft.add_metric([model, backend], h.cumulative(), h.sum)
+        yield from (duration, first_byte, ttft)
 
-    def _output(self) -> Iterator[CounterMetricFamily]:
-        finish = CounterMetricFamily(
+    def _tokens(self) -> _Families:
+        names = (
+            ("warmroute_prompt_tokens", "Prompt tokens the engines reported in usage"),
+            ("warmroute_completion_tokens", "Completion tokens the engines reported in usage"),
+            (
+                "warmroute_cached_prompt_tokens",
+                "Prompt tokens read from the engine's prefix cache (reported)",
+            ),
+            (
+                "warmroute_cache_reported_prompt_tokens",
+                "Prompt tokens of answers that reported cached_tokens (the denominator of the cache share)",
+            ),
+        )
+        families = [CounterMetricFamily(n, doc, labels=["model", "backend"]) for n, doc in names]
+        for (model, backend), counts in list(self.tokens.items()):
+            for family, n in zip(families, counts, strict=True):
+                family.add_metric([model, backend], n)
+        yield from families
+
+    def _output(self) -> _Families:
+        yield from _counter(
             "warmroute_finish_reasons",
             "finish_reason of proxied answers (a rising length share: an engine looping to its limit)",
-            labels=["backend", "reason"],
+            ("backend", "reason"),
+            self.finish_reasons,
         )
-        for (backend, finish_reason), n in list(self.finish_reasons.items()):
-            finish.add_metric([backend, finish_reason], n)
-        trips = CounterMetricFamily(
+        yield from _counter(
             "warmroute_output_guard_trips",
             "Streams the output guard found degenerate (one unit repeated), by the action taken",
-            labels=["backend", "action"],
+            ("backend", "action"),
+            self.guard_trips,
         )
-        for (backend, action), n in list(self.guard_trips.items()):
-            trips.add_metric([backend, action], n)
-        yield from (finish, trips)
 
-    def _thinking(self) -> Iterator[CounterMetricFamily]:
+    def _thinking(self) -> _Families:
         budgets = CounterMetricFamily(
             "warmroute_thinking_budget_attempts", "Attempts carrying a thinking budget", labels=["enforced"]
         )
@@ -201,25 +363,115 @@ class _Tally(Collector):
         )
 
 
+class _FleetTally(Collector):
+    """Canary results, restarts and give-ups, counted from the lifecycle controllers' transitions."""
+
+    def __init__(self) -> None:
+        self.canaries: dict[tuple[str, str, str], int] = {}  # (backend, check, "pass"/"fail")
+        self.restarts: dict[tuple[str, RestartCause], int] = {}
+        self.give_ups: dict[tuple[str], int] = {}
+        self.recent: deque[LifecycleNote] = deque(maxlen=RECENT_KEPT)
+        self._down_cause: dict[str, RestartCause] = {}  # what took each backend down last
+
+    def transition(
+        self, controller: BackendController, event: Event, before: Lifecycle, actions: Sequence[Action]
+    ) -> None:
+        backend, after = controller.id, controller.lifecycle
+        if isinstance(event, CanaryPassed | CanaryFailed):
+            self._canary(controller, isinstance(event, CanaryPassed))
+        if after.state is BackendState.DOWN and before.state is not BackendState.DOWN:
+            self._down_cause[backend] = _cause_of(event)
+        for action in actions:
+            if isinstance(action, RestartProcess):
+                cause = RestartCause.OPERATOR if isinstance(event, Operator) else None
+                cause = cause or self._down_cause.get(backend, RestartCause.OTHER)
+                self.restarts[backend, cause] = self.restarts.get((backend, cause), 0) + 1
+                self.recent.append(LifecycleNote(time.time(), backend, "restart", cause.value, after.reason))
+            elif isinstance(action, GiveUp):
+                self.give_ups[backend,] = self.give_ups.get((backend,), 0) + 1
+
+    def _canary(self, controller: BackendController, passed: bool) -> None:
+        result = controller.last_canary
+        check = CANARY_ALL if passed or result is None else result.check_name or "none"
+        key = (controller.id, check, "pass" if passed else "fail")
+        self.canaries[key] = self.canaries.get(key, 0) + 1
+        if not passed:
+            reason = "" if result is None else result.reason
+            self.recent.append(LifecycleNote(time.time(), controller.id, "canary_failed", check, reason))
+
+    def forget(self, backend: str) -> None:
+        _drop(self.canaries, 0, backend)
+        _drop(self.restarts, 0, backend)
+        _drop(self.give_ups, 0, backend)
+        self._down_cause.pop(backend, None)
+
+    def collect(self) -> _Families:
+        yield from _counter(
+            "warmroute_canary_runs",
+            f"Canary runs by backend, result and check (the failed one; {CANARY_ALL!r} when all passed)",
+            ("backend", "check", "result"),
+            self.canaries,
+        )
+        yield from _counter(
+            "warmroute_backend_restarts",
+            "Managed engine restarts by backend and the cause of the outage",
+            ("backend", "cause"),
+            self.restarts,
+        )
+        yield from _counter(
+            "warmroute_backend_give_ups",
+            "Managed engines given up on (too many restarts in the window)",
+            ("backend",),
+            self.give_ups,
+        )
+
+
+def _cause_of(event: Event) -> RestartCause:
+    if isinstance(event, ProcessExited):
+        return RestartCause.EXITED
+    if isinstance(event, TimerFired) and event.kind is TimerKind.START_TIMEOUT:
+        return RestartCause.START_TIMEOUT
+    if isinstance(event, ProbeFailed):
+        return RestartCause.UNHEALTHY
+    if isinstance(event, CanaryFailed):
+        return RestartCause.CANARY_FAILED
+    return RestartCause.OTHER
+
+
 class _BackendCollector(Collector):
-    """Reads live backend state at scrape time instead of mirroring it into gauges on every change."""
+    """Reads live backend state at scrape time instead of mirroring it into gauges on every change.
+
+    ``conversations`` (pinned conversations per backend) is set by whoever scrapes, just before: reading it
+    may take a round trip to the shared store, and a collector cannot await."""
 
     def __init__(self, backends: Registry) -> None:
         self.backends = backends
+        self.conversations: Mapping[str, int] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         in_flight = GaugeMetricFamily(
             "warmroute_backend_in_flight", "Requests in flight per backend (this process)", labels=["backend"]
         )
+        pinned = GaugeMetricFamily(
+            "warmroute_backend_conversations",
+            "Conversations pinned to each backend (all replicas when the state is shared)",
+            labels=["backend"],
+        )
         state = GaugeMetricFamily(
             "warmroute_backend_state", "1 for the backend's current state", labels=["backend", "state"]
         )
-        for b in self.backends.backends.values():
+        circuit = GaugeMetricFamily(
+            "warmroute_backend_circuit_open",
+            "1 while the backend's circuit breaker is open",
+            labels=["backend"],
+        )
+        for b in list(self.backends.backends.values()):
             in_flight.add_metric([b.id], b.in_flight)
+            pinned.add_metric([b.id], self.conversations.get(b.id, 0))
+            circuit.add_metric([b.id], 1.0 if b.circuit_open else 0.0)
             for s in BackendState:
                 state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
-        yield in_flight
-        yield state
+        yield from (in_flight, pinned, state, circuit)
 
 
 _STARTING_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600)

@@ -189,8 +189,12 @@ async def test_idle_ttl_stops_the_engine_and_status_says_so() -> None:
     engine = sim_engine("a", "ma", idle_ttl_s=0.5)
     async with gateway([engine]) as (url, gw), httpx.AsyncClient(timeout=WITHIN) as c:
         tl = Timeline(gw)
+        finished: list[
+            tuple[str, float]
+        ] = []  # the gateway's own end of the request: the idle clock starts after
+        gw.proxy.observers = (*gw.proxy.observers, Finished(finished))
         assert (await c.post(url + "/v1/chat/completions", json=chat("ma"))).status_code == 200
-        done = time.monotonic()
+        ((_, done),) = finished
         await eventually(lambda: phase(gw, "a") is Phase.STOPPED)  # its stop has finished
         ctl = gw.fleet.controllers["a"]
         status = ctl.status()
