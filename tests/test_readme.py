@@ -1,0 +1,259 @@
+"""The README's operator-facing claims held to the code: the admin paths it names and the bodies its curl
+examples send, the settings keys in its tables and their defaults, the series its metrics table lists, the
+on-demand refusal codes, and its YAML examples. A gateway is built in process (no lifespan, no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, SecretStr
+from pydantic.fields import FieldInfo
+from starlette.applications import Starlette
+from starlette.routing import Mount, Route
+
+from config.settings import (
+    AdminConfig,
+    AuthConfig,
+    BackendConfig,
+    GroupConfig,
+    ManagedConfig,
+    OnDemandConfig,
+    Settings,
+    load_settings,
+)
+from gateway.admin.openapi import document
+from gateway.app import Gateway, HotPath, create_app
+from gateway.waiting import _CODES as ON_DEMAND_CODES  # the one table of the 503 codes
+
+from compose_model import ENV_EXAMPLE, read_env_file
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+ON_DEMAND_FIELDS = ("on_demand", "idle_ttl_s", "group")  # ManagedConfig's on-demand keys
+
+
+def text() -> str:
+    return README.read_text()
+
+
+def section(title: str) -> str:
+    """The body of ``## title`` (up to the next second-level heading)."""
+    body = text().split(f"\n## {title}\n", 1)[1]
+    return body.split("\n## ", 1)[0]
+
+
+def tables(markdown: str) -> Iterator[tuple[list[str], list[list[str]]]]:
+    """Each table as (header cells, body rows of cells)."""
+    for block in re.findall(r"(?:^\|.*\n)+", markdown, re.M):
+        header, _separator, *body = (
+            [cell.strip() for cell in line.strip().strip("|").split("|")] for line in block.splitlines()
+        )
+        yield header, body
+
+
+def rows(markdown: str) -> Iterator[list[str]]:
+    """Every table's body rows."""
+    for _header, body in tables(markdown):
+        yield from body
+
+
+def ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+@pytest.fixture(scope="module")
+def app() -> Starlette:
+    """A gateway's app with every optional part on: an on-demand engine in a group, client keys."""
+    managed = {"command": ["true"], "on_demand": True, "idle_ttl_s": 60, "group": "gpu0"}
+    settings = load_settings(
+        None,
+        backends=[
+            {"id": "a", "url": "http://127.0.0.1:9", "models": ["m"]},
+            {"id": "od", "url": "http://127.0.0.1:10", "models": ["od"], "managed": managed},
+        ],
+        groups={"gpu0": {}},
+        auth={"client_keys": [{"name": "team-a", "key": "k"}]},
+    )
+    hot = create_app(settings).app  # AccessGuard -> HotPath -> Starlette
+    assert isinstance(hot, HotPath) and isinstance(hot.app, Starlette)
+    return hot.app
+
+
+@pytest.fixture(scope="module")
+def gateway(app: Starlette) -> Gateway:
+    gw: Gateway = app.state.gateway
+    return gw
+
+
+@pytest.fixture(scope="module")
+def routes(app: Starlette) -> set[tuple[str, str]]:
+    """(method, path) of every route mounted under /admin, as the app serves them."""
+    mount = next(r for r in app.routes if isinstance(r, Mount) and r.path == "/admin")
+    return {
+        (method, "/admin" + r.path)
+        for r in mount.routes
+        if isinstance(r, Route)
+        for method in (r.methods or set()) - {"HEAD"}
+    }
+
+
+def matching(path: str, routes: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The routes whose template (``{id}``: one segment) matches a concrete path."""
+    found = set()
+    for method, template in routes:
+        pattern = re.sub(r"\\{\w+\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, path):
+            found.add((method, template))
+    return found
+
+
+def test_admin_reference_table_is_every_admin_route(gateway: Gateway, routes: set[tuple[str, str]]) -> None:
+    assert gateway.admin is not None
+    table = {}
+    for cells in rows(section("Admin API")):
+        method, path = ticked(cells[0])[0].split(" ", 1)
+        table[method, path] = cells[1]
+    assert set(table) == routes
+    documented = {(op.method, op.openapi_path) for op in gateway.admin.operations}
+    assert set(document(gateway.admin.operations)["paths"]) == {p for _, p in documented}
+    assert routes - documented == {("GET", "/admin/openapi.json"), ("GET", "/admin/status")}
+    for op in gateway.admin.operations:
+        body = table[op.method, op.openapi_path]
+        if op.body is None:
+            assert body == "—", op.openapi_path
+        elif op.body is BackendConfig:
+            assert "backends[]" in body, op.openapi_path
+        else:
+            (fields,) = ticked(body)
+            assert set(fields.strip("{}").split(", ")) == set(op.body.model_fields), op.openapi_path
+
+
+def curl_calls() -> Iterator[tuple[str, str, str | None, str]]:
+    """(method, /admin path, body, line) of every curl example against ``$A``."""
+    for line in text().splitlines():
+        if not line.startswith("curl ") or "$A/" not in line:
+            continue
+        path = "/admin" + re.search(r"\$A(/\S*)", line)[1]  # type: ignore[index]
+        body = re.search(r"-d '([^']*)'", line)
+        verb = re.search(r"-X (\w+)", line)
+        method = verb[1] if verb else ("POST" if body else "GET")
+        yield method, path, body[1] if body else None, line
+
+
+def test_curl_examples_call_real_operations_with_valid_bodies(
+    gateway: Gateway, routes: set[tuple[str, str]]
+) -> None:
+    assert gateway.admin is not None
+    ops = {(op.method, op.openapi_path): op for op in gateway.admin.operations}
+    calls = list(curl_calls())
+    assert len(calls) >= 10
+    for method, path, body, line in calls:
+        found = {r for r in matching(path, routes) if r[0] == method}
+        assert len(found) == 1, line
+        op = ops.get(found.pop())
+        if op is None or op.body is None:
+            assert body is None, line
+            continue
+        assert body is not None, f"{line}: the operation takes a body"
+        op.body.model_validate_json(body)  # raises, naming the field, if the example is wrong
+    base = re.search(r"A=http://127\.0\.0\.1:(\d+)/admin\b", text())
+    assert base and base[1] == read_env_file(ENV_EXAMPLE)["ADMIN_PORT_1"], "the stack's gateway-1 admin port"
+
+
+def test_every_admin_path_named_in_the_readme_exists(routes: set[tuple[str, str]]) -> None:
+    named = {m.rstrip(".,") for m in re.findall(r"/admin/[\w{}./-]+", text()) if "..." not in m}
+    assert len(named) > 10
+    assert {p for p in named if not matching(p, routes)} == set()
+
+
+def _field(path: str) -> FieldInfo:
+    parts = path.split(".")
+    model: type[BaseModel] = Settings
+    if parts[0] == "managed":
+        model, parts = ManagedConfig, parts[1:]
+    elif parts[0] == "groups":  # groups.<name>.field
+        model, parts = GroupConfig, parts[2:]
+    for part in parts[:-1]:
+        annotation = model.model_fields[part].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel), path
+        model = annotation
+    assert parts[-1] in model.model_fields, f"{path}: no such setting"
+    return model.model_fields[parts[-1]]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def key_rows() -> dict[str, str]:
+    """Every row of the README's ``| key | default | what |`` tables: key -> default, as written."""
+    found = {}
+    for header, body in tables(text()):
+        if header == ["key", "default", "what"]:
+            for cells in body:
+                (key,), (default,) = ticked(cells[0]), ticked(cells[1])
+                found[key] = default
+    return found
+
+
+def test_key_tables_name_real_settings_with_their_defaults() -> None:
+    table = key_rows()
+    for key, default in table.items():
+        field = _field(key)
+        assert _plain(field.get_default(call_default_factory=True)) == yaml.safe_load(default), key
+    sections: dict[str, type[BaseModel]] = {
+        "admin": AdminConfig,
+        "auth": AuthConfig,
+        "on_demand": OnDemandConfig,
+    }
+    expected = {f"{name}.{f}" for name, model in sections.items() for f in model.model_fields}
+    expected |= {f"groups.<name>.{f}" for f in GroupConfig.model_fields}
+    expected |= {f"managed.{f}" for f in ON_DEMAND_FIELDS}
+    assert expected - set(table) == set(), "settings missing from the README's key tables"
+
+
+def exported(gw: Gateway) -> dict[str, set[str] | None]:
+    """Series name (as written in the exposition) -> its labels (None: no sample to read them from)."""
+    out: dict[str, set[str] | None] = {}
+    for family in text_string_to_metric_families(asyncio.run(gw.scrape()).decode()):
+        if family.name.endswith("_created"):
+            continue  # prometheus_client's creation timestamps, not series of ours
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for s in family.samples for k in s.labels} - {"le"}
+        out[name] = labels if family.samples else None
+    return out
+
+
+def test_metrics_table_lists_exactly_the_exported_series(gateway: Gateway) -> None:
+    table: dict[str, set[str]] = {}
+    for cells in rows(section("Metrics")):
+        labels = set(ticked(cells[1]))
+        table |= {name: labels for name in ticked(cells[0])}
+    live = exported(gateway)
+    assert set(table) == set(live)
+    for name, seen in live.items():
+        if seen is not None:
+            assert table[name] == seen, name
+
+
+def test_on_demand_refusal_codes_are_the_gateways() -> None:
+    (body,) = [b for header, b in tables(section("On-demand engines")) if "`Retry-After`" in header]
+    assert {ticked(cells[0])[0] for cells in body} == set(ON_DEMAND_CODES.values())
+
+
+def test_yaml_examples_load_with_the_gateways_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("WARMROUTE_")]:
+        monkeypatch.delenv(key)
+    blocks = re.findall(r"```yaml\n(.*?)```", text(), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        load_settings(None, **yaml.safe_load(block))
