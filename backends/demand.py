@@ -226,7 +226,7 @@ class Demand:
             }
         return {
             "phase": e.phase.value,
-            "phase_for_s": round(now - e.since, 3),
+            "phase_for_s": None if e.since == 0.0 else round(now - e.since, 3),  # 0.0: never started
             "group": spec.group,
             "idle_ttl_s": spec.idle_ttl_s,
             "idle_for_s": round(now - e.last_used, 3) if e.phase is od.Phase.READY else None,

@@ -2,7 +2,8 @@
 
 Label values come only from enums and configuration (backend ids, model names, canary check names, reasons),
 never from client input: a request for an unknown model is refused before routing, so ``model`` is always a
-configured name (or empty for a body without one). No family here is built with a creation time, so no
+configured name (or empty for a body without one). No family here is built with a creation time, and the
+few plain prometheus_client metrics (on-demand engines) have theirs turned off process-wide, so no
 ``_created`` series are exported.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -38,6 +39,8 @@ from backends.registry import Registry
 from gateway.observe import Observation
 from gateway.outcomes import AttemptOutcome, RequestOutcome
 from routing.types import BackendState, Reason
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # a `_created` sample per child is scrape noise
 
 if TYPE_CHECKING:
     from backends.managed import BackendController

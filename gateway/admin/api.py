@@ -301,7 +301,14 @@ class AdminApi:
             last_checked=b.last_checked,
             canary=st.get("canary"),
             managed=st.get("managed"),
+            on_demand=self._on_demand_status(b.id),
         )
+
+    def _on_demand_status(self, backend_id: str) -> dict[str, Any] | None:
+        demand = self.gw.fleet.demand
+        if demand is None or backend_id not in demand.schedule.engines:
+            return None
+        return demand.status(backend_id)
 
 
 def _as_dict(signals: Any) -> dict[str, Any]:

@@ -73,6 +73,9 @@ class BackendView(BaseModel):
     last_checked: float | None
     canary: dict[str, Any] | None = Field(description="Last canary run: passed, check_name, answer, at, ...")
     managed: dict[str, Any] | None = Field(description="Managed engine: pid, exits, restarts, last lines")
+    on_demand: dict[str, Any] | None = Field(
+        default=None, description="On-demand engine: phase, hold, idle time, claims, waiters, last failure"
+    )
 
 
 class BackendList(BaseModel):

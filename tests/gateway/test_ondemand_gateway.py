@@ -344,6 +344,11 @@ async def test_a_hold_keeps_the_engine_and_the_other_model_gets_503_naming_it() 
         status = (await c.get(url + "/readyz")).json()["backends"]
         assert status["a"]["on_demand"]["hold"]["reason"] == "benchmark run 7"
         assert status["a"]["state"] == "ready"  # idle far past its 0.2 s TTL, held
+        view = (await c.get(admin + "/a")).json()["on_demand"]
+        assert (view["phase"], view["hold"]["reason"]) == ("ready", "benchmark run 7")
+        never = (await c.get(admin + "/b")).json()["on_demand"]
+        assert (never["phase"], never["phase_for_s"]) == ("stopped", None)  # never started
+        assert "_created" not in (await c.get(url + "/metrics")).text
         released = await c.delete(admin + "/a/hold")
         assert released.status_code == 200 and released.json()["on_demand"]["hold"] is None
         r = await c.post(url + "/v1/chat/completions", json=chat("mb"))
