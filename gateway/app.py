@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
-from config.settings import RoutingConfig, Settings, load_settings
+from config.settings import RoutingConfig, Settings, VisionMode, load_settings
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
@@ -33,8 +33,10 @@ from gateway.metrics import Metrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
+from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.upstream import UpstreamPool
+from gateway.vision import VisionRouting, VisionStep
 from routing.params import RoutingParams
 from routing.policies import Policy, make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
@@ -93,7 +95,23 @@ class Gateway:
             self.transport, settings.timeouts, settings.thinking, self.metrics
         )
         self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
+        self.sidecar = self._vision(settings)
         self.created = int(time.time())
+
+    def _vision(self, settings: Settings) -> SidecarHost | None:
+        """Images (gateway/vision.py): kept from text-only backends, encoded by the sidecar for ``embeds``
+        ones. With every backend ``native`` (the default) nothing is installed and no request is looked at."""
+        cfg = settings.sidecar
+        self.encoder: SidecarClient | None = None
+        host = None if cfg is None else SidecarHost(cfg, settings, self.client)
+        modes = {b.vision for b in settings.backends}
+        if modes - {VisionMode.NATIVE}:
+            self.proxy.filters = (*self.proxy.filters, VisionRouting(self.registry, host))
+        if VisionMode.EMBEDS in modes:
+            assert cfg is not None and host is not None  # settings refuse embeds without a sidecar
+            self.encoder = SidecarClient(cfg, self.client, host)
+            self.proxy.steps = (VisionStep(self.encoder), *self.proxy.steps)
+        return host
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -102,7 +120,9 @@ class Gateway:
         # 2. Start the lifecycles (managed engines are spawned), probe every backend once and wait for the
         #    canaries that started, so a healthy cluster takes traffic as soon as we listen.
         self.fleet.start()
-        await self.health.check_all()
+        if self.sidecar is not None:
+            self.sidecar.start()  # a managed sidecar is spawned; image requests wait for its first probe
+        await asyncio.gather(self.health.check_all(), *([self.sidecar.check()] if self.sidecar else []))
         await self.fleet.settled(self.settings.canary.timeout_s)
         # 3. Everything built so far lives as long as the process: move it out of the collector's sight, so
         #    a full collection walks only what requests allocate (57k objects cost a ~30 ms pause each time).
@@ -119,9 +139,10 @@ class Gateway:
             # 5. Let what is still in flight finish, up to the same deadline.
             await self._drained(self.settings.server.shutdown_grace_s)
             # 6. Stop probing (no probe may start a canary or a restart now), then stop the lifecycles:
-            #    managed engines get their stop command or SIGTERM, then SIGKILL after stop_timeout_s.
+            #    managed engines (and a managed sidecar) get their stop command or SIGTERM, then SIGKILL
+            #    after stop_timeout_s.
             await self.health.aclose()
-            await self.fleet.aclose()
+            await asyncio.gather(self.fleet.aclose(), *([self.sidecar.aclose()] if self.sidecar else []))
             # 7. Close upstream connections and the state store.
             await self.transport.aclose()
             await self.client.aclose()
@@ -209,6 +230,8 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
             "backends": backends,
             "shared_state": {"backend": shared.get("backend"), "degraded": bool(shared.get("degraded"))},
         }
+        if gw.sidecar is not None:  # not part of readiness: text requests never need it
+            body["vision_sidecar"] = {"state": gw.sidecar.describe(), "available": gw.sidecar.available}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(_request: Request) -> Response:
