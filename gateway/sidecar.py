@@ -31,7 +31,7 @@ from backends.events import ProbeFailed, ProbeOk
 from backends.health import HealthChecker
 from backends.managed import BackendController, policy_for
 from backends.registry import Backend, Registry
-from config.settings import BackendConfig, SidecarConfig, Settings
+from config.settings import BackendConfig, Settings, SidecarConfig
 from gateway.errors import BadRequest, UpstreamError
 from gateway.torchfile import NotATensor, read_header
 
@@ -200,7 +200,8 @@ def _encoding(url: str, resp: httpx.Response) -> Encoding:
         raise VisionSidecarError(f"vision sidecar {url} answered a malformed encoding: {exc}") from None
     if grid_shape != (3,):
         raise VisionSidecarError(
-            f"vision sidecar {url} answered image_grid_thw of shape {list(grid_shape)}; engines need shape [3]"
+            f"vision sidecar {url} answered image_grid_thw of shape {list(grid_shape)}; "
+            "engines need shape [3]"
         )
     if len(embeds_shape) != 2 or (isinstance(tokens, int) and tokens != embeds_shape[0]):
         raise VisionSidecarError(

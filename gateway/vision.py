@@ -1,4 +1,4 @@
-"""Images per backend ``vision`` mode: where an image request may go, and what it looks like when it gets there.
+"""Images by backend ``vision`` mode: where an image request may go, and what it looks like when it arrives.
 
 - ``VisionRouting`` (a ``RouteFilter``, before routing): a request with ``image_url`` parts never goes to a
   ``vision: none`` backend; if every backend of the model is ``none`` it is a 400. While the sidecar is not
@@ -98,7 +98,8 @@ class VisionRouting:
         if not by_mode[VisionMode.NATIVE] and not by_mode[VisionMode.EMBEDS]:
             ids = ", ".join(sorted(by_mode[VisionMode.NONE]))
             raise BadRequest(
-                f"model {ctx.model!r} takes no images here: its backends ({ids}) are text-only (vision: none)",
+                f"model {ctx.model!r} takes no images here: its backends ({ids}) are text-only "
+                "(vision: none)",
                 param="messages",
             )
         out = by_mode[VisionMode.NONE]
