@@ -72,7 +72,8 @@ log "checking imports: torch, torchvision ops, vLLM's Qwen2.5-VL model, the serv
 import torch, torchvision, transformers, vllm
 import torchvision.ops  # the import that fails beside torch+cpu
 from vllm.model_executor.models import qwen2_5_vl  # noqa: F401
-assert "+" not in torch.__version__, f"torch {torch.__version__} is a local build, not PyPI's plain one"
+import importlib.metadata as m
+assert m.version("torch") == "2.13.0", f"torch {m.version('torch')} is not PyPI's plain 2.13.0"
 print(f"  vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__},"
       f" transformers {transformers.__version__}")
 EOF
