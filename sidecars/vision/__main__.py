@@ -1,4 +1,4 @@
-"""``python -m sidecars.vision --checkpoint DIR --host 127.0.0.1 --port P`` (other settings: WARMROUTE_VISION_*).
+"""``python -m sidecars.vision --checkpoint DIR --host 127.0.0.1 --port P`` (other settings: env).
 
 The checkpoint is checked (config, index, shards, architecture) before the port opens, so a wrong folder exits
 with status 2 and a message naming what is missing; the weights themselves load after, behind /health.

@@ -57,7 +57,7 @@ def load_processor(folder: Path, settings: VisionSettings) -> Any:
 
 
 class Encoder:
-    def __init__(self, settings: VisionSettings, opener: loader.Opener = loader.safe_open) -> None:
+    def __init__(self, settings: VisionSettings, opener: loader.Opener = loader.open_safetensors) -> None:
         started = time.perf_counter()
         folder = settings.checkpoint
         self.plan = loader.plan(folder)

@@ -1,6 +1,6 @@
 """The sidecar's one error hierarchy: each error has an HTTP status and a stable ``code``.
 
-Rendered as ``{"error": {"message", "type", "code"}}`` (OpenAI's shape, like the gateway's). Foreign exceptions
+Rendered as ``{"error": {"message", "type", "code"}}`` (OpenAI's shape, as the gateway's). Foreign errors
 (httpx, PIL, safetensors) are translated into these at the module that calls them, never further out.
 """
 
@@ -83,4 +83,4 @@ class QueueFull(Unavailable):
 
 
 class CheckpointError(Exception):
-    """The checkpoint folder cannot give us a vision tower; the message names the file, key or architecture."""
+    """The checkpoint folder has no usable vision tower; the message names the file, key or architecture."""

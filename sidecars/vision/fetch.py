@@ -55,7 +55,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         self,
         host: str,
         port: int,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpcore names it)
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
@@ -86,7 +86,10 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         return addresses
 
     async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+        socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         raise FetchFailed("unix sockets are never dialled for images")
 
@@ -95,7 +98,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
 
 
 class GuardedTransport(httpx.AsyncHTTPTransport):
-    """httpx's own transport (its exception mapping included) over a pool that dials through GuardedBackend."""
+    """httpx's own transport (its exception mapping too) over a pool that dials through GuardedBackend."""
 
     def __init__(self, backend: GuardedBackend) -> None:
         super().__init__(retries=0)

@@ -1,6 +1,6 @@
 """Bytes → a decoded RGB PIL image, refusing what is not an image, what lies about its size, and bombs.
 
-Order matters: magic bytes first (no decoder sees non-image bytes), then the header's width × height against
+Order matters: magic bytes first (no decoder sees non-image bytes), then the header's width x height against
 the decode limit (nothing is decompressed yet), then the full decode, which fails fast and cleanly on a
 truncated file because the whole file is already in memory.
 """
@@ -51,9 +51,8 @@ def decode(data: bytes, max_source_pixels: int) -> Image.Image:
             image = Image.open(io.BytesIO(data), formats=[kind])
             width, height = image.size
             if width * height > max_source_pixels:
-                raise ImageBomb(
-                    f"image is {width}x{height} = {width * height} pixels; the decode limit is {max_source_pixels}"
-                )
+                pixels = f"{width}x{height} = {width * height} pixels"
+                raise ImageBomb(f"image is {pixels}; the decode limit is {max_source_pixels}")
             image.load()
             return to_rgb(image)
     except Image.DecompressionBombError as exc:

@@ -160,6 +160,7 @@ def header_bytes(path: Path) -> int:
 
 
 Opener = Callable[..., Any]
+open_safetensors: Opener = safe_open
 
 
 def read_tensors(

@@ -1,4 +1,4 @@
-"""Every sidecar collector, in its own registry (the gateway's process never shares it), ``warmroute_vision_``.
+"""Every sidecar collector, in its own registry (never the gateway's), ``warmroute_vision_*``.
 
 Label values come only from error codes (a fixed set in errors.py), never from requests.
 """

@@ -111,9 +111,8 @@ class VisionService:
         self, work: Callable[[], tuple[Encoded, dict[str, float]]]
     ) -> tuple[Encoded, dict[str, float]]:
         if self.pending >= 1 + self.settings.queue_size:
-            raise QueueFull(
-                f"encoder queue is full ({self.pending - 1} waiting, limit {self.settings.queue_size}); retry later"
-            )
+            waiting, limit = self.pending - 1, self.settings.queue_size
+            raise QueueFull(f"encoder queue is full ({waiting} waiting, limit {limit}); retry later")
         self.pending += 1
         self.metrics.queue_depth.set(self.pending)
         try:

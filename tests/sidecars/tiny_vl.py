@@ -27,6 +27,8 @@ def vl_config() -> Any:
         "vocab_size": 1024,
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
     vision = {
         "depth": 2,
