@@ -5,7 +5,7 @@ chat template, for tests/e2e/test_vision*.py. Run it with the VL venv's interpre
 
 Sizes from ENGINES.md: text hidden 256 (4 heads of 64: the CPU attention refuses head_dim 16), 2 layers;
 vision depth 2, hidden 64, out_hidden 256, patch 14, merge 2. The weights are re-sharded so the
-``model.visual.*`` tensors sit on the *last* shard (transformers writes them first), with
+vision tensors (``visual.*``) sit on the *last* shard (transformers writes them first), with
 ``model.safetensors.index.json``: the sidecar must find them from the index, not from their position.
 Deterministic; the cache directory is named after a hash of this file.
 """
@@ -37,6 +37,8 @@ SPECIAL = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+#: transformers 5 writes the original checkpoint layout (``visual.*``; ``model.visual.*`` in its own modules)
+VISION_PREFIXES = ("visual.", "model.visual.")
 TEXT_SHARDS = 2  # the text model's tensors over two shards, the vision tower's on a third
 
 # ChatML with Qwen2-VL's image placeholder; vLLM sees a loop over content parts ("openai" content format) and
@@ -58,7 +60,9 @@ CHAT_TEMPLATE = (
 
 
 def digest() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes() + Path(make_model.__file__).read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(Path(__file__).read_bytes() + Path(make_model.__file__).read_bytes()).hexdigest()[
+        :12
+    ]
 
 
 def tokenizer() -> Any:
@@ -99,6 +103,7 @@ def config(tok: Any) -> Any:
         "num_key_value_heads": 2,
         "max_position_embeddings": 8192,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+        "bos_token_id": None,
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
@@ -123,13 +128,14 @@ def config(tok: Any) -> Any:
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        bos_token_id=None,
     )
     cfg.dtype = "bfloat16"
     return cfg
 
 
 def reshard(folder: Path) -> dict[str, Any]:
-    """Rewrite the weights: text tensors on the first shards, ``model.visual.*`` on the last."""
+    """Rewrite the weights: text tensors on the first shards, the vision tower's on the last."""
     from safetensors.torch import load_file, save_file
 
     tensors: dict[str, Any] = {}
@@ -137,8 +143,12 @@ def reshard(folder: Path) -> dict[str, Any]:
         tensors.update(load_file(str(f)))
         f.unlink()
     (folder / "model.safetensors.index.json").unlink(missing_ok=True)
-    text = sorted(k for k in tensors if not k.startswith("model.visual."))
-    visual = sorted(k for k in tensors if k.startswith("model.visual."))
+    text = sorted(k for k in tensors if not k.startswith(VISION_PREFIXES))
+    visual = sorted(k for k in tensors if k.startswith(VISION_PREFIXES))
+    if not visual:
+        raise SystemExit(
+            f"make_vl_model: no vision tensors ({VISION_PREFIXES}) among {sorted(tensors)[:5]}..."
+        )
     per = -(-len(text) // TEXT_SHARDS)
     groups = [text[i : i + per] for i in range(0, len(text), per)] + [visual]
     weight_map: dict[str, str] = {}
@@ -169,9 +179,13 @@ def write(out: Path) -> None:
     reshard(out)
     image = Qwen2VLImageProcessorPil(max_pixels=1_003_520, min_pixels=3136)
     processor = Qwen2_5_VLProcessor(
-        image_processor=image, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE
+        image_processor=image,
+        tokenizer=tok,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(str(out))
+    image.save_pretrained(str(out))  # preprocessor_config.json too, as published checkpoints have it
     tok.save_pretrained(str(out))
 
 
