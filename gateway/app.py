@@ -222,7 +222,8 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
         # Served on the API port without auth. Loopback clients (an operator on the host, a local
         # supervisor) get each backend's full lifecycle status (failed canary check and its answer, exit
         # codes, last output lines); anyone else gets ids, states and a short reason, no URLs or output.
-        backends = readyz_backends(gw.fleet.status(), _is_loopback(request.client and request.client.host))
+        loopback = _is_loopback(request.client and request.client.host)
+        backends = readyz_backends(gw.fleet.status(), loopback)
         shared = gw.store.status()
         ready = gw.registry.any_ready()
         body = {
@@ -231,7 +232,10 @@ def create_app(settings: Settings, store: AffinityStore | None = None, *, freeze
             "shared_state": {"backend": shared.get("backend"), "degraded": bool(shared.get("degraded"))},
         }
         if gw.sidecar is not None:  # not part of readiness: text requests never need it
-            body["vision_sidecar"] = {"state": gw.sidecar.describe(), "available": gw.sidecar.available}
+            side: dict[str, Any] = {"state": gw.sidecar.state, "available": gw.sidecar.available}
+            if loopback:  # its exits, causes and last output lines, as for backends
+                side["status"] = gw.sidecar.status()
+            body["vision_sidecar"] = side
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(_request: Request) -> Response:

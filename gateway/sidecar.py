@@ -121,6 +121,10 @@ class SidecarHost:
     def available(self) -> bool:
         return self.controller.lifecycle.routable
 
+    @property
+    def state(self) -> str:
+        return self.controller.lifecycle.state.value
+
     def describe(self) -> str:
         """``ready``, or the state and why (``down (connect failed: ...)``, ``starting (...)``)."""
         lc = self.controller.lifecycle

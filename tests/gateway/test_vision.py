@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,12 @@ def box() -> Iterator[Make]:
     """``box({"e": "embeds", "n": "native"}, sidecar=FakeSidecar(...), sidecar_cfg={...})``."""
     stack = contextlib.ExitStack()
 
-    def make(modes: dict[str, str], sidecar: FakeSidecar | None = None, **sidecar_cfg: Any) -> Box:
+    def make(
+        modes: dict[str, str],
+        sidecar: FakeSidecar | None = None,
+        health: dict[str, Any] | None = None,
+        **sidecar_cfg: Any,
+    ) -> Box:
         fake = sidecar or FakeSidecar()
         sidecar_url, sidecar_server = stack.enter_context(serve(fake.app()))
         engines = {name: FakeEngine(name) for name in modes}
@@ -64,7 +70,7 @@ def box() -> Iterator[Make]:
             None,
             backends=backends,
             sidecar={"url": sidecar_url, **sidecar_cfg},
-            health={"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+            health=health or {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
         )
         app = create_app(settings)
         url, _ = stack.enter_context(serve(app))
@@ -144,6 +150,22 @@ def test_each_unique_image_is_encoded_once_per_request_and_the_unique_ones_in_pa
     assert sent["messages"][0]["content"] == [EMBEDS_PART, text("one")]
     assert sent["messages"][1] == {"role": "assistant", "content": "a cat"}
     assert sent["messages"][2]["content"] == [EMBEDS_PART, EMBEDS_PART, EMBEDS_PART]
+
+
+def test_a_retry_on_another_embeds_backend_reuses_the_requests_encodings(box: Make) -> None:
+    b = box({"e1": "embeds", "e2": "embeds"})
+    b.engines["e1"].fail_next = 1  # answers 500 before any byte once: that request is retried on e2
+    routes = []
+    for i in range(12):
+        resp = b.chat([user(image(CAT))], session=f"s{i}")
+        assert resp.status_code == 200
+        routes.append(resp.headers["x-warmroute-route"])
+        if routes[-1] == "retry_next":
+            break
+    assert routes[-1] == "retry_next"
+    assert len(b.sidecar.calls) == len(routes)  # one encode per request, the retried one included
+    sent = [m["messages"][0]["content"] for name in ("e1", "e2") for m in b.received(name)]
+    assert sent == [[EMBEDS_PART]] * (len(routes) + 1)
 
 
 def test_max_parallel_bounds_the_encodes_in_flight(box: Make) -> None:
@@ -236,21 +258,31 @@ def test_a_sidecar_slower_than_timeout_s_is_a_503_and_text_is_unaffected(box: Ma
 
 
 def _stop_sidecar(b: Box) -> None:
+    """Stop the fake sidecar; return once the gateway has seen it down (a refused encode or a probe)."""
     b.sidecar_server.should_exit = True
-    url = b.gateway.settings.sidecar.url  # type: ignore[union-attr]
+    host = b.gateway.sidecar
+    assert host is not None
     with contextlib.suppress(httpx.HTTPError):
         while True:
-            httpx.get(url + "/health", timeout=0.5)
+            httpx.get(host.cfg.url + "/health", timeout=0.5)
+
+
+def _until_down(b: Box) -> None:
+    host = b.gateway.sidecar
+    assert host is not None
+    deadline = time.monotonic() + 5
+    while host.available:
+        assert time.monotonic() < deadline, "the gateway never saw the sidecar down"
+        time.sleep(0.02)
 
 
 def test_sidecar_down_means_503_for_images_to_embeds_backends_and_text_still_flows(box: Make) -> None:
     b = box({"e": "embeds"})
     _stop_sidecar(b)
-    resp = b.chat([user(image(CAT))])
+    resp = b.chat([user(image(CAT))])  # refused at connect (that marks it down), or already seen down
     assert resp.status_code == 503
     assert resp.json()["error"]["code"] == "vision_unavailable"
-    # The refused connection marked it down: the next image request is refused without trying it.
-    assert not b.gateway.sidecar.available  # type: ignore[union-attr]
+    _until_down(b)
     resp = b.chat([user(image(DOG))])
     assert resp.status_code == 503
     assert "is not available: down" in resp.json()["error"]["message"]
@@ -258,14 +290,28 @@ def test_sidecar_down_means_503_for_images_to_embeds_backends_and_text_still_flo
     assert len(b.engines["e"].raw) == 1
 
 
+def test_a_refused_encode_marks_the_sidecar_down_at_once(box: Make) -> None:
+    # Probes far apart: only the refused connection of a real encode can tell the gateway.
+    b = box({"e": "embeds"}, health={"interval_s": 600, "timeout_s": 1, "fail_threshold": 3})
+    _stop_sidecar(b)
+    resp = b.chat([user(image(CAT))])
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"].endswith("is unreachable")
+    resp = b.chat([user(image(DOG))])
+    assert resp.status_code == 503
+    assert "is not available: down (health probe failed: connect failed:" in resp.json()["error"]["message"]
+    assert b.sidecar.calls == []
+
+
 def test_sidecar_down_sends_image_requests_to_a_native_backend_of_the_model(box: Make) -> None:
     b = box({"e": "embeds", "n": "native"})
     _stop_sidecar(b)
-    b.chat([user(image(CAT))], session="s0")  # the refused connection marks it down (or already a probe did)
+    _until_down(b)
     for i in range(4):
-        resp = b.chat([user(image(DOG), text(str(i)))], session=f"s{i + 1}")
+        resp = b.chat([user(image(DOG), text(str(i)))], session=f"s{i}")
         assert resp.status_code == 200
         assert resp.headers["x-warmroute-backend"] == "n"
+    assert b.engines["e"].raw == []
 
 
 def test_a_none_backend_never_gets_an_image_request_while_another_can_take_it(box: Make) -> None:

@@ -68,10 +68,8 @@ def test_the_gateway_starts_restarts_and_stops_its_managed_sidecar() -> None:
         host = gw.sidecar
         with serve(app) as (url, _):
             _until(lambda: host.available)
-            assert httpx.get(url + "/readyz").json()["vision_sidecar"] == {
-                "state": "ready",
-                "available": True,
-            }
+            side = httpx.get(url + "/readyz").json()["vision_sidecar"]
+            assert (side["state"], side["available"], side["status"]["url"]) == ("ready", True, host.cfg.url)
             assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
             first_pid = host.status()["managed"]["pid"]
 
