@@ -308,6 +308,7 @@ def test_a_1x3_grid_is_a_vllm_400_and_the_gateway_never_sends_one(
         )
         url, _ = stack.enter_context(serve(app))
         before = chat_requests(engine)
+        assert before >= 1  # the counter is there: it saw the direct request above
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         resp = httpx.post(
             url + "/v1/chat/completions",
