@@ -30,15 +30,19 @@ def parse(argv: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
+    from pydantic import ValidationError
 
     from . import loader
     from .app import create_app
     from .settings import VisionSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = VisionSettings(**parse(sys.argv[1:] if argv is None else argv))
     try:
+        settings = VisionSettings(**parse(sys.argv[1:] if argv is None else argv))
         loader.plan(settings.checkpoint)
+    except ValidationError as exc:
+        print(f"warmroute vision sidecar: bad settings: {exc}", file=sys.stderr)
+        return 2
     except CheckpointError as exc:
         print(f"warmroute vision sidecar: {exc}", file=sys.stderr)
         return 2

@@ -64,10 +64,13 @@ class Encoder:
         self.processor = load_processor(folder, settings)
         self.dtype = loader.resolve_dtype(self.plan.config, settings.dtype)
         self.model, self.report = loader.build(self.plan, self.dtype, settings.attn_implementation, opener)
+        if settings.compile:
+            for block in getattr(self.model, "blocks", ()):
+                block.compile(dynamic=False)
         self.load_seconds = time.perf_counter() - started
-        self.fingerprint = self._fingerprint(folder)
+        self.fingerprint = self._fingerprint(folder, settings)
 
-    def _fingerprint(self, folder: Path) -> str:
+    def _fingerprint(self, folder: Path, settings: VisionSettings) -> str:
         """Everything besides the image bytes that changes the output: weights, processor, dtype."""
         index = folder / loader.INDEX
         weights = index.read_bytes() if index.is_file() else b""
@@ -81,6 +84,7 @@ class Encoder:
             "processor": self.processor.to_dict(),
             "dtype": str(self.dtype),
             "attn": self.plan.config.vision_config._attn_implementation,
+            "compile": settings.compile,
         }
         return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -11,7 +11,6 @@ proxy would resolve the name on our behalf, out of reach of the policy.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import ipaddress
 import socket
@@ -122,7 +121,7 @@ def decode_data_uri(uri: str, max_bytes: int) -> Fetched:
         raise TooLarge(f"image is larger than the {max_bytes}-byte limit")
     if "base64" in (p.strip().lower() for p in params[1:]):
         try:
-            data = base64.b64decode(payload, validate=True)
+            data = binascii.a2b_base64(payload, strict_mode=True)
         except (binascii.Error, ValueError) as exc:
             raise UnsupportedScheme(f"data: URI is not valid base64: {exc}") from exc
     else:

@@ -8,7 +8,7 @@ import inspect
 import io
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,7 @@ from vision_deps import require_vision
 CACHE = Path(os.environ.get("WARMROUTE_MODEL_CACHE", Path.home() / ".cache" / "warmroute" / "models"))
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint() -> Path:
+def cached_build(name: str, builder: Callable[[Path], Path]) -> Path:
     """Built at most once per machine: keyed by the builder's source and the transformers version."""
     require_vision()
     import tiny_vl
@@ -28,14 +27,28 @@ def tiny_checkpoint() -> Path:
     digest = hashlib.sha256(
         inspect.getsource(tiny_vl).encode() + transformers.__version__.encode()
     ).hexdigest()
-    folder = CACHE / f"tiny-qwen2_5_vl-{digest[:12]}"
+    folder = CACHE / f"{name}-{digest[:12]}"
     CACHE.mkdir(parents=True, exist_ok=True)
     with (CACHE / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two test sessions never build into one folder at once
         if not (folder / "DONE").is_file():
             shutil.rmtree(folder, ignore_errors=True)
-            tiny_vl.build(folder)
+            builder(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Path:
+    import tiny_vl
+
+    return cached_build("tiny-qwen2_5_vl", tiny_vl.build)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_checkpoint() -> Path:
+    import tiny_vl
+
+    return cached_build("tiny-qwen3_5", tiny_vl.build_qwen3_5)
 
 
 @pytest.fixture(scope="session")

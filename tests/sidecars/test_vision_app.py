@@ -22,6 +22,7 @@ from vision_deps import require_vision
 require_vision()
 
 import torch  # noqa: E402
+from image_server import ImageServer  # noqa: E402
 
 from sidecars.vision.app import create_app  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
@@ -92,6 +93,19 @@ def test_encode_answers_the_engine_payload_and_repeats_it_byte_for_byte_from_cac
     assert a["image_embeds"] == b["image_embeds"] and a["image_grid_thw"] == b["image_grid_thw"]
     assert set(a["timings"]) >= {"fetch_ms", "decode_ms", "preprocess_ms", "encode_ms", "total_ms"}
     assert set(b["timings"]) == {"fetch_ms", "total_ms"}
+
+
+def test_the_same_bytes_by_url_and_by_data_uri_share_one_cache_entry(sidecar: Any) -> None:
+    png = png_bytes(100, 60, seed=11)
+    images = ImageServer(png)
+    with serve(images.app()) as (server_url, _server):
+        url = sidecar(allow_networks=["127.0.0.1/32"])
+        by_url = encode(url, f"{server_url}/img.png").json()
+        by_uri = encode(url, data_uri(png)).json()
+        again = encode(url, f"{server_url}/img.png").json()
+    assert (by_url["cached"], by_uri["cached"], again["cached"]) == (False, True, True)
+    assert by_url["image_embeds"] == by_uri["image_embeds"] == again["image_embeds"]
+    assert images.paths == ["/img.png", "/img.png"]  # a URL is fetched each time: its content may change
 
 
 def test_images_above_the_pixel_cap_are_downscaled(sidecar: Any) -> None:

@@ -58,6 +58,29 @@ def test_embeddings_equal_transformers_get_image_features_bit_for_bit(
     assert encoded.tokens == embeds.shape[0] == int(grid.prod()) // 4 and encoded.hidden == 256
 
 
+def test_qwen3_5_tower_is_supported_bit_for_bit(tiny_qwen3_5_checkpoint: Path) -> None:
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    encoder = Encoder(VisionSettings(checkpoint=tiny_qwen3_5_checkpoint))
+    image = Image.open(io.BytesIO(png_bytes(300, 200, seed=5))).convert("RGB")
+    encoded, _timings = encoder.encode(image)
+    full = Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny_qwen3_5_checkpoint), dtype=torch.bfloat16)
+    batch = encoder.processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        (reference,) = full.model.get_image_features(
+            batch["pixel_values"], batch["image_grid_thw"]
+        ).pooler_output
+    assert torch.equal(decoded(encoded.image_embeds), reference)
+    assert encoded.grid_thw == (1, 12, 18) and encoded.tokens == 54 and encoded.hidden == 128
+    report = encoder.report
+    assert (report.architecture, report.tower_class, report.prefix) == (
+        "qwen3_5",
+        "Qwen3_5VisionModel",
+        "model.visual.",
+    )
+    assert len(report.shards_read) < report.shards_total
+
+
 def test_loader_opens_only_the_vision_shards_and_reports_bytes(tiny_checkpoint: Path) -> None:
     opened: list[str] = []
 
