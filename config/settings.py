@@ -263,6 +263,14 @@ class GuardConfig(_Section):
     action: GuardAction = GuardAction.RECORD
 
 
+class VisionMode(StrEnum):
+    """What a backend does with ``image_url`` parts (see gateway/vision.py)."""
+
+    NATIVE = "native"  # forwarded as the client sent them: the engine runs its own vision tower
+    EMBEDS = "embeds"  # turned into ``image_embeds`` parts by the vision sidecar (vLLM --enable-mm-embeds)
+    NONE = "none"  # text only: image requests go elsewhere, or are refused with a 400
+
+
 class BackendConfig(_Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
@@ -277,6 +285,11 @@ class BackendConfig(_Section):
     canary: CanaryConfig | None = Field(default=None, description="Replaces the top-level canary section")
     budget_enforcement: BudgetEnforcement = Field(
         default=BudgetEnforcement.AUTO, description="Who caps thinking: the engine, or the gateway"
+    )
+    vision: VisionMode = Field(
+        default=VisionMode.NATIVE,
+        description="native: images forwarded as sent (what the engine would get without a gateway); "
+        "embeds: images encoded by the vision sidecar; none: never sent image requests",
     )
 
     @field_validator("url")
@@ -538,6 +551,31 @@ class AuthConfig(_Section):
         return out
 
 
+class SidecarConfig(_Section):
+    """The CPU vision sidecar (sidecars/vision/) that encodes images for ``vision: embeds`` backends.
+
+    ``url`` is where it listens: an external sidecar, or the one the gateway starts itself when ``managed``
+    is given (the command must make it listen there). A managed sidecar has the managed engines' lifecycle:
+    health probes (the top-level ``health`` section, path ``/health``), restarts with backoff and a cap, the
+    last exit cause and output lines, stopped on shutdown.
+    """
+
+    url: str = Field(description="Sidecar root, e.g. http://127.0.0.1:8090")
+    managed: ManagedConfig | None = Field(default=None, description="Started and restarted by the gateway")
+    timeout_s: float = Field(
+        default=120.0, gt=0, description="One encode, the sidecar's queue included; past it: 503"
+    )
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    max_parallel: int = Field(
+        default=4, ge=1, description="Encodes in flight from this gateway process; more wait their turn"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, v: str) -> str:
+        return BackendConfig._root_url(v)  # the same rule as a backend's
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="WARMROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -560,6 +598,7 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     groups: dict[str, GroupConfig] = Field(default_factory=dict, description="Exclusive on-demand groups")
     on_demand: OnDemandConfig = OnDemandConfig()
+    sidecar: SidecarConfig | None = Field(default=None, description="Vision sidecar for embeds backends")
 
     @model_validator(mode="after")
     def _groups_declared(self) -> Settings:
@@ -586,6 +625,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"managed backends {managed} need server.workers: 1 (every worker would start its own engine)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _embeds_need_a_sidecar(self) -> Settings:
+        embeds = [b.id for b in self.backends if b.vision is VisionMode.EMBEDS]
+        if embeds and self.sidecar is None:
+            raise ValueError(f"backends {embeds} have vision: embeds, which needs a sidecar section")
+        if self.sidecar is not None and self.sidecar.managed is not None and self.server.workers > 1:
+            raise ValueError("a managed sidecar needs server.workers: 1 (every worker would start its own)")
         return self
 
     @classmethod

@@ -25,7 +25,7 @@ from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.managed import BackendController
 from backends.registry import Registry
-from config.settings import BackendConfig, RoutingConfig, Settings, load_settings
+from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode, load_settings
 from gateway.admin import Admin
 from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
@@ -37,9 +37,11 @@ from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
+from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import status_page
 from gateway.upstream import UpstreamPool
+from gateway.vision import VisionRouting, VisionStep
 from gateway.waiting import WaitingRoom
 from routing.params import RoutingParams
 from routing.policies import Policy, make_policy
@@ -104,6 +106,7 @@ class Gateway:
         if self.fleet.demand is not None:
             self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
             self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
+        self.sidecar = self._vision(settings)
         self.created = int(time.time())
         self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
 
@@ -118,6 +121,21 @@ class Gateway:
         self.metrics.backends.conversations = (await self.store.view(None)).conversations
         return generate_latest(self.metrics.registry)
 
+    def _vision(self, settings: Settings) -> SidecarHost | None:
+        """Images (gateway/vision.py): kept from text-only backends, encoded by the sidecar for ``embeds``
+        ones. With every backend ``native`` (the default) nothing is installed and no request is looked at."""
+        cfg = settings.sidecar
+        self.encoder: SidecarClient | None = None
+        host = None if cfg is None else SidecarHost(cfg, settings, self.client)
+        modes = {b.vision for b in settings.backends}
+        if modes - {VisionMode.NATIVE}:
+            self.proxy.filters = (*self.proxy.filters, VisionRouting(self.registry, host))
+        if VisionMode.EMBEDS in modes:
+            assert cfg is not None and host is not None  # settings refuse embeds without a sidecar
+            self.encoder = SidecarClient(cfg, self.client, host)
+            self.proxy.steps = (VisionStep(self.encoder), *self.proxy.steps)
+        return host
+
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         # 1. Connect the shared state store (an unreachable Redis only degrades it; it reconnects itself).
@@ -128,7 +146,9 @@ class Gateway:
         # 2. Start the lifecycles (managed engines are spawned), probe every backend once and wait for the
         #    canaries that started, so a healthy cluster takes traffic as soon as we listen.
         self.fleet.start()
-        await self.health.check_all()
+        if self.sidecar is not None:
+            self.sidecar.start()  # a managed sidecar is spawned; image requests wait for its first probe
+        await asyncio.gather(self.health.check_all(), *([self.sidecar.check()] if self.sidecar else []))
         await self.fleet.settled(self.settings.canary.timeout_s)
         # 3. Everything built so far lives as long as the process: move it out of the collector's sight, so
         #    a full collection walks only what requests allocate (57k objects cost a ~30 ms pause each time).
@@ -147,9 +167,10 @@ class Gateway:
             if self.admin is not None:
                 await self.admin.aclose()  # no runtime change is applied from here on
             # 6. Stop probing (no probe may start a canary or a restart now), then stop the lifecycles:
-            #    managed engines get their stop command or SIGTERM, then SIGKILL after stop_timeout_s.
+            #    managed engines (and a managed sidecar) get their stop command or SIGTERM, then SIGKILL
+            #    after stop_timeout_s.
             await self.health.aclose()
-            await self.fleet.aclose()
+            await asyncio.gather(self.fleet.aclose(), *([self.sidecar.aclose()] if self.sidecar else []))
             # 7. Close upstream connections and the state store.
             await self.transport.aclose()
             await self.client.aclose()
@@ -241,7 +262,8 @@ def create_app(
         # Served on the API port without auth. Loopback clients (an operator on the host, a local
         # supervisor) get each backend's full lifecycle status (failed canary check and its answer, exit
         # codes, last output lines); anyone else gets ids, states and a short reason, no URLs or output.
-        backends = readyz_backends(gw.fleet.status(), _is_loopback(request.client and request.client.host))
+        loopback = _is_loopback(request.client and request.client.host)
+        backends = readyz_backends(gw.fleet.status(), loopback)
         shared = gw.store.status()
         # Stopped on-demand engines start on a request: a gateway fronting only those is ready.
         ready = gw.registry.any_ready() or gw.fleet.startable()
@@ -250,6 +272,11 @@ def create_app(
             "backends": backends,
             "shared_state": {"backend": shared.get("backend"), "degraded": bool(shared.get("degraded"))},
         }
+        if gw.sidecar is not None:  # not part of readiness: text requests never need it
+            side: dict[str, Any] = {"state": gw.sidecar.state, "available": gw.sidecar.available}
+            if loopback:  # its exits, causes and last output lines, as for backends
+                side["status"] = gw.sidecar.status()
+            body["vision_sidecar"] = side
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(_request: Request) -> Response:

@@ -23,6 +23,7 @@ from routing.types import Reason
 if TYPE_CHECKING:
     from gateway.budgets import Thinking
     from gateway.observe import ResponseTap
+    from gateway.vision import VisionMemo
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class RequestContext:
     started_at: float = field(default_factory=time.monotonic)
     thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any
     client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any
+    vision: VisionMemo | None = None  # the request's images and their encodings (gateway/vision.py)
+    ineligible: frozenset[str] = frozenset()  # backends that cannot serve this request (``RouteFilter``)
     # -- filled in by the proxy's phases --------------------------------------------------------------
     task: asyncio.Task[None] | None = None
     reason: Reason = Reason.NO_BACKEND
@@ -109,3 +112,13 @@ class PrepareStep(Protocol):
     """
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None: ...
+
+
+class RouteFilter(Protocol):
+    """Names the backends that cannot serve a request at all (a text-only engine for an image request...).
+
+    Asked once per request before routing; routing then sees those backends as absent, so a pin on one moves
+    and a retry never lands there. Raise a ``GatewayError`` when no backend could ever serve it (a 400).
+    """
+
+    def ineligible(self, ctx: RequestContext) -> frozenset[str]: ...

@@ -31,7 +31,7 @@ from starlette.types import Receive, Send
 
 from backends.registry import Registry
 from config.settings import GuardAction, GuardConfig, TimeoutConfig
-from gateway.context import Draft, PrepareStep, RequestContext
+from gateway.context import Draft, PrepareStep, RequestContext, RouteFilter
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -110,6 +110,7 @@ class Proxy:
         self.timeouts = timeouts
         self.transport = transport
         self.steps = tuple(steps)
+        self.filters: tuple[RouteFilter, ...] = ()  # backends a request cannot use (gateway/vision.py)
         self.observers = tuple(observers)  # told what each answered request looked like, in finish
         self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
         self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
@@ -169,6 +170,8 @@ class Proxy:
             raise ModelNotFound(
                 f"model {ctx.model!r} is not served here; available: {available}", param="model"
             )
+        for rule in self.filters:
+            ctx.ineligible |= rule.ineligible(ctx)
         view = await self.store.view(ctx.key if ctx.policy.uses_affinity else None)
         ctx.pinned = view.pinned
         backend, refused = await self._choose(ctx, view, frozenset())
@@ -203,6 +206,8 @@ class Proxy:
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
         candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
+        if ctx.ineligible:  # absent, not excluded: a policy treats an exclusion as a retry
+            candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
         request = RouteRequest(ctx.key, ctx.pinned, exclude)
         return ctx.policy.select(candidates, request, time.monotonic())
 

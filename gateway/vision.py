@@ -1,0 +1,178 @@
+"""Images by backend ``vision`` mode: where an image request may go, and what it looks like when it arrives.
+
+- ``VisionRouting`` (a ``RouteFilter``, before routing): a request with ``image_url`` parts never goes to a
+  ``vision: none`` backend; if every backend of the model is ``none`` it is a 400. While the sidecar is not
+  available, ``embeds`` backends are left out too when a ``native`` backend serves the model (otherwise the
+  ``embeds`` attempt answers the sidecar's 503). Text-only requests are not looked at twice.
+- ``VisionStep`` (a ``PrepareStep``, per attempt): for an ``embeds`` backend each ``image_url`` part becomes
+  ``{"type": "image_embeds", "image_embeds": {"image_embeds": b64, "image_grid_thw": b64}}`` through the
+  sidecar: the unique images of the request encoded in parallel, each once per request (retries included).
+  ``native`` backends get the parts as the client sent them, and a request without images is never touched,
+  so its bytes go upstream as the client sent them.
+
+The conversation key was computed by the endpoint on the original body (routing/keys.py hashes a ``data:``
+image by content, a URL by the URL), so turn N with the same images keys like turn 1 whichever way each
+attempt is shaped. The ``detail`` of an ``image_url`` is not forwarded to ``embeds`` backends: the sidecar's
+own pixel cap decides the resolution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.registry import Backend, Registry
+from config.settings import VisionMode
+from gateway.context import Draft, RequestContext
+from gateway.errors import BadRequest, GatewayError
+from gateway.sidecar import Encoding, ImageRejected, SidecarClient, SidecarHost, VisionUnavailable
+
+EMPTY: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    message: int  # index in ``messages``
+    part: int  # index in that message's ``content`` list
+    url: str  # http(s) URL or data: URI, as the client sent it
+
+    @property
+    def param(self) -> str:
+        return f"messages[{self.message}].content[{self.part}].image_url"
+
+
+@dataclass(slots=True)
+class VisionMemo:
+    """What one request holds (found once) and what the sidecar made of it (kept across attempts)."""
+
+    images: tuple[ImagePart, ...]
+    encodings: dict[str, Encoding] = field(default_factory=dict)
+
+
+def find_images(body: dict[str, Any] | None) -> tuple[ImagePart, ...]:
+    """The ``image_url`` parts of a chat body, in order. A part without a string URL is a 400."""
+    messages = body.get("messages") if body is not None else None
+    if not isinstance(messages, list):
+        return ()
+    found: list[ImagePart] = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                found.append(ImagePart(i, j, _url_of(part.get("image_url"), i, j)))
+    return tuple(found)
+
+
+def _url_of(image_url: Any, i: int, j: int) -> str:
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        where = f"messages[{i}].content[{j}].image_url"
+        raise BadRequest(f"'{where}' must be an object with a non-empty string 'url'", param=where)
+    return url
+
+
+def memo_of(ctx: RequestContext) -> VisionMemo:
+    if ctx.vision is None:
+        ctx.vision = VisionMemo(find_images(ctx.body))
+    return ctx.vision
+
+
+class VisionRouting:
+    """The ``RouteFilter``: which backends must not be chosen for this request (see the module's notes)."""
+
+    def __init__(self, registry: Registry, host: SidecarHost | None) -> None:
+        self.registry = registry
+        self.host = host
+
+    def ineligible(self, ctx: RequestContext) -> frozenset[str]:
+        if ctx.body is None or not memo_of(ctx).images:
+            return EMPTY
+        backends = self.registry.for_model(ctx.model)
+        by_mode: dict[VisionMode, set[str]] = {mode: set() for mode in VisionMode}
+        for b in backends:
+            by_mode[b.cfg.vision].add(b.id)
+        if not by_mode[VisionMode.NATIVE] and not by_mode[VisionMode.EMBEDS]:
+            ids = ", ".join(sorted(by_mode[VisionMode.NONE]))
+            raise BadRequest(
+                f"model {ctx.model!r} takes no images here: its backends ({ids}) are text-only "
+                "(vision: none)",
+                param="messages",
+            )
+        out = by_mode[VisionMode.NONE]
+        sidecar_down = self.host is None or not self.host.available
+        if sidecar_down and by_mode[VisionMode.NATIVE]:
+            out = out | by_mode[VisionMode.EMBEDS]
+        return frozenset(out)
+
+
+class VisionStep:
+    """The ``PrepareStep``: ``image_url`` parts to ``image_embeds`` parts for ``embeds`` backends."""
+
+    def __init__(self, sidecar: SidecarClient | None) -> None:
+        self.sidecar = sidecar
+
+    async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        if backend.cfg.vision is not VisionMode.EMBEDS:
+            return
+        memo = memo_of(ctx)
+        if not memo.images:
+            return
+        await self._encode(memo)
+        shaped = draft.edit()
+        shaped["messages"] = _with_embeds(shaped["messages"], memo)
+
+    async def _encode(self, memo: VisionMemo) -> None:
+        """Encode the request's images not encoded yet, in parallel, each unique image once."""
+        if self.sidecar is None:  # settings refuse embeds backends without a sidecar; belt and braces
+            raise VisionUnavailable("no vision sidecar is configured for embeds backends")
+        sidecar = self.sidecar
+        first: dict[str, ImagePart] = {}
+        for image in memo.images:
+            if image.url not in memo.encodings:
+                first.setdefault(image.url, image)
+        if not first:
+            return
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = {url: group.create_task(_encode_one(sidecar, part)) for url, part in first.items()}
+        except* GatewayError as failed:
+            raise failed.exceptions[0] from None  # the first refusal answers; the others were cancelled
+        for url, task in tasks.items():
+            memo.encodings[url] = task.result()
+
+
+async def _encode_one(sidecar: SidecarClient, image: ImagePart) -> Encoding:
+    try:
+        return await sidecar.encode(image.url)
+    except ImageRejected as exc:
+        exc.param = image.param  # which part of the request the client must fix
+        raise
+
+
+def _with_embeds(messages: list[Any], memo: VisionMemo) -> list[Any]:
+    """A new messages list: the messages holding images rebuilt, the others shared with the original."""
+    out = list(messages)
+    for index in _distinct(image.message for image in memo.images):
+        msg = messages[index]
+        content = [_embeds_part(memo.encodings, part) for part in msg["content"]]
+        out[index] = {**msg, "content": content}
+    return out
+
+
+def _embeds_part(encodings: dict[str, Encoding], part: Any) -> Any:
+    if not (isinstance(part, dict) and part.get("type") == "image_url"):
+        return part
+    image_url = part["image_url"]
+    enc = encodings[image_url["url"] if isinstance(image_url, dict) else image_url]
+    return {
+        "type": "image_embeds",
+        "image_embeds": {"image_embeds": enc.image_embeds, "image_grid_thw": enc.image_grid_thw},
+    }
+
+
+def _distinct(values: Iterable[int]) -> list[int]:
+    return list(dict.fromkeys(values))

@@ -1,0 +1,89 @@
+"""A managed vision sidecar: the gateway starts it, restarts it with the cause kept, and stops it on shutdown.
+
+The sidecar is ``vision_fakes.py`` as a process of its own; the engines are fakes in test threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from config.settings import load_settings
+from gateway.app import Gateway, create_app
+from tools import procs
+
+from upstreams import FakeEngine, serve
+
+FAKE_SIDECAR = Path(__file__).with_name("vision_fakes.py")
+START_S = 45.0  # a Python process importing Starlette on a busy 2-core machine
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,Y2F0"}}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": [IMAGE]}]}
+
+
+def _until(check: Callable[[], Any], within: float = START_S) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_gateway_starts_restarts_and_stops_its_managed_sidecar() -> None:
+    engine = FakeEngine("e")
+    port = procs.free_port()
+    restart = {"grace_s": 0.0, "backoff_initial_s": 0.01, "backoff_max_s": 0.02, "max_restarts": 3}
+    with contextlib.ExitStack() as stack:
+        engine_url, _ = stack.enter_context(serve(engine.app()))
+        settings = load_settings(
+            None,
+            backends=[{"id": "e", "url": engine_url, "models": ["m"], "vision": "embeds"}],
+            sidecar={
+                "url": f"http://127.0.0.1:{port}",
+                "managed": {
+                    "command": [sys.executable, str(FAKE_SIDECAR), "--port", str(port)],
+                    "restart": restart,
+                },
+            },
+            health={"interval_s": 0.1, "timeout_s": 1, "fail_threshold": 1},
+        )
+        app = create_app(settings)
+        gw: Gateway = app.state.gateway
+        assert gw.sidecar is not None
+        host = gw.sidecar
+        with serve(app) as (url, _):
+            _until(lambda: host.available)
+            side = httpx.get(url + "/readyz").json()["vision_sidecar"]
+            assert (side["state"], side["available"], side["status"]["url"]) == ("ready", True, host.cfg.url)
+            assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+            first_pid = host.status()["managed"]["pid"]
+
+            os.kill(first_pid, signal.SIGKILL)
+            _until(lambda: host.status()["managed"]["exits"])
+            _until(lambda: host.available and host.status()["managed"]["pid"] not in (None, first_pid))
+            managed = host.status()["managed"]
+            (exit_,) = managed["exits"]
+            assert (exit_["cause"], exit_["requested"]) == ("was killed by signal 9 (SIGKILL)", False)
+            assert "fake sidecar listening on" in "\n".join(exit_["lines"])
+            assert managed["restarts_in_window"] == 1
+            assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+            second_pid = managed["pid"]
+        # The gateway's shutdown stopped its child.
+        assert _pid_gone(second_pid)
+    sent = [json.loads(raw)["messages"][0]["content"][0]["type"] for raw in engine.raw]
+    assert sent == ["image_embeds", "image_embeds"]
