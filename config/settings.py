@@ -54,6 +54,7 @@ class BudgetEnforcement(StrEnum):
 
 class PolicyName(StrEnum):
     AFFINITY = "affinity"
+    TTFT = "ttft"
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.engine_metrics import SignalScraper
 from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
@@ -29,6 +30,7 @@ from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
+from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
@@ -56,7 +58,8 @@ class Gateway:
         self.registry = Registry(settings.backends, listener=self.store)  # leases drive the shared counts
         self.metrics = Metrics(self.registry)
         self.metrics.degraded.set_function(lambda: 1.0 if self.store.status().get("degraded") else 0.0)
-        self.policy = make_policy(routing_params(settings.routing))
+        params = routing_params(settings.routing)
+        self.policy = make_policy(params)
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
                 max_connections=settings.limits.max_connections,
@@ -93,6 +96,13 @@ class Gateway:
             self.transport, settings.timeouts, settings.thinking, self.metrics
         )
         self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
+        # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
+        self.signals: SignalScraper | None = None
+        if params.policy == "ttft":
+            feedback = RoutingFeedback(self.registry, params, settings.routing.session_header)
+            self.proxy.feedback = feedback
+            self.proxy.observers = (*self.proxy.observers, feedback)
+            self.signals = SignalScraper(self.registry, self.client)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -111,6 +121,8 @@ class Gateway:
             gc.freeze()
         # 4. Keep probing in the background: one task per backend, so a slow one delays no other.
         self.health.start()
+        if self.signals is not None:
+            self.signals.start()
         try:
             yield
         finally:
@@ -121,6 +133,8 @@ class Gateway:
             # 6. Stop probing (no probe may start a canary or a restart now), then stop the lifecycles:
             #    managed engines get their stop command or SIGTERM, then SIGKILL after stop_timeout_s.
             await self.health.aclose()
+            if self.signals is not None:
+                await self.signals.aclose()
             await self.fleet.aclose()
             # 7. Close upstream connections and the state store.
             await self.transport.aclose()

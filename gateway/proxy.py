@@ -58,6 +58,7 @@ from routing.types import BackendState, Decision, PinAction, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.continuation import Continuation
+    from gateway.learning import RoutingFeedback
     from gateway.reasoning import ReasoningRelay
 
 log = logging.getLogger("warmroute.proxy")
@@ -112,6 +113,7 @@ class Proxy:
         self.observers = tuple(observers)  # told what each answered request looked like, in finish
         self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
         self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
+        self.feedback: RoutingFeedback | None = None  # the ttft policy's inputs and learning; set by the app
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
@@ -161,6 +163,8 @@ class Proxy:
             raise ModelNotFound(
                 f"model {ctx.model!r} is not served here; available: {available}", param="model"
             )
+        if self.feedback is not None:
+            self.feedback.plan(ctx)  # may extend ctx.key (turns >= 2 of identical heads told apart)
         view = await self.store.view(ctx.key if ctx.policy.uses_affinity else None)
         ctx.pinned = view.pinned
         backend, refused = await self._choose(ctx, view, frozenset())
@@ -194,6 +198,14 @@ class Proxy:
             exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
+        feedback = self.feedback
+        if feedback is not None and ctx.route is not None:
+            request = feedback.request(ctx, ctx.pinned, exclude)
+            chosen = ctx.policy.select(
+                feedback.candidates(ctx.model, view.in_flight), request, time.monotonic()
+            )
+            ctx.route.uncached_tokens = chosen.uncached_tokens
+            return feedback.settle(ctx, ctx.pinned, chosen)
         candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
         request = RouteRequest(ctx.key, ctx.pinned, exclude)
         return ctx.policy.select(candidates, request, time.monotonic())
@@ -215,6 +227,8 @@ class Proxy:
     async def _attempt(self, ctx: RequestContext, backend_id: str) -> Attempt:
         backend = self.registry.backends[backend_id]
         ctx.lease = self.registry.lease(backend_id)
+        if self.feedback is not None and ctx.route is not None:
+            self.feedback.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
         payload = ctx.raw
         if ctx.body is not None:  # only bodies an endpoint owns are shaped; passthrough bodies go as they are
             draft = Draft(ctx.body)
@@ -276,7 +290,7 @@ class Proxy:
             head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
         ctx.responded = True
         if self.observers:
-            ctx.tap = ResponseTap()
+            ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn)
         await send(head)
         error = await self._pump(ctx, chunks, send, self._guard_for(ctx, sse))
         if error is None:
@@ -308,6 +322,7 @@ class Proxy:
             async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
+                    ctx.lease.first_byte()  # its prefill is no longer queued on the engine
                 if tap is not None:
                     tap.feed(chunk)
                 if guard is not None and guard.feed(chunk) and self._tripped(backend, guard):
@@ -386,6 +401,8 @@ class Proxy:
             events=0 if tap is None else tap.events,
             body_bytes=0 if tap is None else tap.body_bytes,
             usage=None if tap is None else tap.usage(),
+            route=ctx.route,
+            reply=None if tap is None else tap.reply(),
         )
         for observer in self.observers:
             try:

@@ -1,0 +1,163 @@
+"""The ttft policy's memory in the gateway: what it has seen, turned into the inputs of a pure decision.
+
+``RoutingFeedback`` is both ends of one loop:
+
+- before routing (``plan``, ``request``, ``candidates``): the request's shape in tokens (a learned
+  characters-per-token ratio), the key of turns >= 2 extended with the first reply's beginning (identical
+  heads told apart, ``routing.keys.reply_key``), which backends recently prefilled the head, the twin hint
+  (the backend that produced this conversation's first reply), active (not merely pinned) conversations;
+- after sending (``sent``): the request's uncached tokens queue on its backend until the first byte;
+- in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
+  typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens.
+
+State here is this process's own (with Redis, pins and in-flight counts are shared; all of this is local
+and rebuilt from traffic within a minute). Synchronous and I/O-free, like every observer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from backends.registry import Lease, Registry
+from gateway.context import RequestContext
+from gateway.observe import Observation, RouteInfo
+from gateway.outcomes import RequestOutcome
+from routing.affinity import AffinityTable
+from routing.holders import HeadHolders
+from routing.keys import first_reply, reply_key
+from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
+from routing.shape import chat_shape
+from routing.speed import Ewma, SpeedEstimator
+from routing.types import Candidate, Decision, PinAction, RouteRequest
+
+#: Bytes of a request body per prompt token before usage reports teach better (JSON framing included).
+DEFAULT_CHARS_PER_TOKEN = 4.0
+_REPLIES_TTL_S = 3600.0
+_MAX_ENTRIES = 200_000
+#: A holder whose reported cached tokens fall below this share of the head has lost it.
+_HELD_SHARE = 0.5
+
+
+class RoutingFeedback:
+    def __init__(
+        self,
+        registry: Registry,
+        params: RoutingParams,
+        session_header: str = "x-session-id",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.clock = clock
+        self.session_header = session_header.lower().encode()
+        self.speeds = SpeedEstimator({b.id: b.cfg.weight for b in registry.backends.values()})
+        self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
+        self.replies = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # extended key -> first reply's backend
+        self.holders = HeadHolders(_MAX_ENTRIES)
+        self.chars_per_token = Ewma(DEFAULT_CHARS_PER_TOKEN)
+        self.turn_tokens = Ewma(DEFAULT_TURN_TOKENS)
+        self._publish_rates()
+
+    # -- before routing -------------------------------------------------------------------------------
+
+    def plan(self, ctx: RequestContext) -> None:
+        """Shape the request and, on turns >= 2 of a chat without a session id, extend its key."""
+        messages = ctx.body.get("messages") if ctx.body is not None else None
+        if not isinstance(messages, list):
+            ctx.route = RouteInfo(ctx.key, True, len(ctx.raw), 0, len(ctx.raw))
+            return
+        shape = chat_shape(messages)
+        info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
+        if shape.turn > 1 and not self._has_session(ctx):
+            reply = first_reply(messages)
+            if reply is not None:
+                ctx.key = reply_key(ctx.key, reply)
+        ctx.route = info
+
+    def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
+        info = ctx.route
+        assert info is not None
+        cpt = self.chars_per_token.value
+        holders = self.holders.get(info.head_key)
+        hint = None
+        if info.first_turn:
+            # The head's pin only says who prefilled the head (a twin, or this conversation's turn 1).
+            if pinned is not None:
+                holders = holders | {pinned}
+            pinned = None
+        elif pinned is None:
+            hint = self.replies.get(ctx.key, self.clock())
+        return RouteRequest(
+            ctx.key,
+            pinned,
+            exclude,
+            prompt_tokens=int(info.prompt_chars / cpt),
+            head_tokens=int(info.head_chars / cpt),
+            tail_tokens=int(info.tail_chars / cpt),
+            turn_tokens=int(self.turn_tokens.value),
+            holders=holders,
+            hint=hint,
+        )
+
+    def candidates(self, model: str | None, in_flight: Mapping[str, int] | None) -> tuple[Candidate, ...]:
+        now = self.clock()
+        self.active.expire(now)
+        return self.registry.candidates(model, self.active.counts(), in_flight, now)
+
+    def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
+        """A first turn never claims a head pinned elsewhere (its twin's): the claim would win it back."""
+        info = ctx.route
+        if info is not None and info.first_turn and pinned is not None and decision.pin is PinAction.CLAIM:
+            return replace(decision, pin=PinAction.NONE)
+        return decision
+
+    # -- after sending --------------------------------------------------------------------------------
+
+    def sent(self, ctx: RequestContext, lease: Lease, uncached_tokens: int) -> None:
+        """The request went to ``lease.backend``: queue its prefill there and remember who holds what."""
+        info = ctx.route
+        if info is None:
+            return
+        lease.prefill(uncached_tokens)
+        info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
+        backend = lease.backend.id
+        self.active.move(ctx.key, backend, self.clock())
+        self.holders.add(info.head_key, backend)
+
+    # -- in finish: the Observer ----------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> None:
+        info = obs.route
+        if info is None or obs.outcome is not RequestOutcome.OK:
+            return
+        now = self.clock()
+        usage = obs.usage
+        uncached = info.uncached_tokens
+        if usage is not None:
+            if usage.prompt_tokens > 0:
+                self.chars_per_token.add(info.prompt_chars / usage.prompt_tokens)
+            if usage.cached_tokens is not None:
+                uncached = usage.prompt_tokens - usage.cached_tokens
+                head = info.head_chars / self.chars_per_token.value
+                if usage.cached_tokens < _HELD_SHARE * head and not info.first_turn:
+                    self.holders.drop(info.head_key, obs.backend)
+            ttft = obs.first_byte_s
+            if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
+                self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
+        if obs.first_byte_s is not None:
+            self.speeds.prefill(obs.backend, uncached + info.queued_tokens, obs.first_byte_s, now)
+        if not info.first_turn:
+            self.turn_tokens.add(uncached)
+        elif obs.reply is not None:
+            self.replies.move(reply_key(info.head_key, obs.reply), obs.backend, now)
+        self._publish_rates()
+
+    def _publish_rates(self) -> None:
+        rates = self.speeds.prefill_tps
+        for b in self.registry.backends.values():
+            b.prefill_tps = rates.get(b.id, 0.0)
+
+    def _has_session(self, ctx: RequestContext) -> bool:
+        name = self.session_header
+        return any(n == name for n, _ in ctx.headers)
