@@ -51,7 +51,8 @@ class RoutingFeedback:
         self.registry = registry
         self.clock = clock
         self.session_header = session_header.lower().encode()
-        self.speeds = SpeedEstimator({b.id: b.cfg.weight for b in registry.backends.values()})
+        weights = {b.id: b.cfg.weight for b in registry.backends.values()}
+        self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
         self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
         self.replies = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # extended key -> first reply's backend
         self.holders = HeadHolders(_MAX_ENTRIES)

@@ -27,6 +27,8 @@ class RoutingParams:
     # -- ttft policy ----------------------------------------------------------------------------------
     #: A conversation counts as load while it sent a request within this many seconds (idle pins do not).
     active_window_s: float = 10.0
+    #: Half-life of the learned engine speeds (``routing.speed``).
+    speed_half_life_s: float = 15.0
     #: Each active conversation is expected to bring this share of one turn's prefill soon.
     load_share: float = 1.0
     #: Leave the pin only when another backend is cheaper by this fraction of staying (and 20 ms): hysteresis.

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--stall-s", type=float, default=0.0, metavar="X")
     faults.add_argument("--repeat-token", action="store_true")
     faults.add_argument("--health-fail", action="store_true")
+    faults.add_argument(
+        "--slow-factor", type=float, default=1.0, metavar="F", help="multiplies prefill/decode"
+    )
+    p.add_argument("--prefill-serial", action="store_true", help="one prefill at a time (FIFO)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true")
     return p
@@ -71,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         stall_s=args.stall_s,
         repeat_token=args.repeat_token,
         health_fail=args.health_fail,
+        slow_factor=args.slow_factor,
     )
     return SimConfig(
         name=args.name,
@@ -87,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         answer_tokens=args.answer_tokens,
         reasoning_tokens=args.reasoning_tokens,
         reasoning=args.reasoning,
+        prefill_serial=args.prefill_serial,
         time_scale=args.time_scale,
         seed=args.seed,
         faults=faults,
