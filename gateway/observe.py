@@ -83,13 +83,24 @@ class ResponseTap:
     collected; after that a feed costs one attribute test more than without it.
     """
 
-    __slots__ = ("_args", "_content", "_head", "_partial", "_seeking", "_tail", "body_bytes", "events")
+    __slots__ = (
+        "_args",
+        "_content",
+        "_head",
+        "_partial",
+        "_plain",
+        "_seeking",
+        "_tail",
+        "body_bytes",
+        "events",
+    )
 
     def __init__(self, reply: bool = False) -> None:
         self._tail = b""
         self.events = 0
         self.body_bytes = 0
         self._seeking = reply
+        self._plain: bool | None = None  # a JSON body (True) or a stream (False); None: no byte seen yet
         self._head = b""  # a plain body's first bytes (only while seeking)
         self._partial = b""  # an SSE line cut by the chunk boundary
         self._content = ""
@@ -110,16 +121,20 @@ class ResponseTap:
         """The reply's beginning, or None (not asked for, nothing found, or not found in time)."""
         if self._content or self._args:
             return (self._content or self._args)[:REPLY_CHARS]
-        if self._head and not self.events:
+        if self._plain and self._head:
             return _plain_reply(self._head)
         return None
 
     def _seek(self, chunk: bytes) -> None:
-        if not self.events:  # not a stream (so far): keep the head of a plain body
+        if self._plain is None:  # the first bytes say which: a JSON body opens with "{", a stream does not
+            start = chunk.lstrip()
+            if not start:
+                return
+            self._plain = start[:1] == b"{"
+        if self._plain:
             self._head += chunk[: _REPLY_HEAD_BYTES - len(self._head)]
             self._seeking = len(self._head) < _REPLY_HEAD_BYTES
             return
-        self._head = b""
         data = self._partial + chunk
         cut = data.rfind(b"\n") + 1
         self._partial = data[cut:][-_TAIL_BYTES:]
@@ -130,22 +145,40 @@ class ResponseTap:
             self._seeking = False
 
     def _take(self, line: bytes) -> None:
-        try:
-            delta = json.loads(line.removeprefix(b"data:"))["choices"][0]["delta"]
+        at = line.find(_CONTENT)
+        if at >= 0:  # a content delta: decode only its string, not the whole event (the common case)
+            text = _string_at(line[at + len(_CONTENT) :])
+            if text is not None:
+                self._content += text
+                return
+        if self._content or _ARGUMENTS not in line:
+            return
+        try:  # a tool call: rare enough to decode whole (its index must be checked)
+            calls = json.loads(line.removeprefix(b"data:"))["choices"][0]["delta"]["tool_calls"]
+            call = calls[0]
+            arguments = call["function"]["arguments"]
         except (ValueError, LookupError, TypeError):
             return
-        if not isinstance(delta, dict):
-            return
-        content = delta.get("content")
-        if isinstance(content, str):
-            self._content += content
-            return
-        calls = delta.get("tool_calls")
-        if not self._content and isinstance(calls, list) and calls and isinstance(calls[0], dict):
-            function = calls[0].get("function")
-            arguments = function.get("arguments") if isinstance(function, dict) else None
-            if isinstance(arguments, str) and calls[0].get("index", 0) == 0:
-                self._args += arguments
+        if isinstance(arguments, str) and isinstance(call, dict) and call.get("index", 0) == 0:
+            self._args += arguments
+
+
+def _string_at(rest: bytes) -> str | None:
+    """The JSON string value after a key (``rest`` starts right after ``"content"``), or None."""
+    text = rest[: 4 * REPLY_CHARS + 64].decode("utf-8", "replace").lstrip()
+    if not text.startswith(":"):
+        return None
+    text = text[1:].lstrip()
+    if not text.startswith('"'):
+        return None  # null (a reasoning or role delta)
+    try:
+        value, _ = _DECODER.raw_decode(text)
+    except ValueError:  # longer than the window: take it whole
+        try:
+            value, _ = _DECODER.raw_decode(rest.decode("utf-8", "replace").lstrip()[1:].lstrip())
+        except ValueError:
+            return None
+    return value if isinstance(value, str) else None
 
 
 def _plain_reply(head: bytes) -> str | None:

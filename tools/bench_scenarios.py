@@ -206,10 +206,23 @@ async def run_variant(
         event_at = await event if event.done() else None
         event.cancel()
         wall = time.monotonic() - t0
+        reasons = await _reasons(client, gateway) if gateway is not None else {}
     finally:
         if gateway is not None:
             launch.stop(gateway)
-    return summarize(records, engines, sc, event_at, wall, time_scale)
+    return {**summarize(records, engines, sc, event_at, wall, time_scale), "reasons": reasons}
+
+
+async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:
+    """The gateway's routing decisions by reason (non-zero ones)."""
+    text = (await client.get(f"{gateway.url}/metrics")).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("warmroute_routing_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            if (n := int(float(line.rsplit(" ", 1)[1]))) > 0:
+                out[reason] = n
+    return out
 
 
 async def _event(
@@ -326,6 +339,7 @@ def _brief(result: dict[str, Any]) -> str:
         "slowed_share_before",
         "slowed_share_after_30s",
         "split",
+        "reasons",
         "errors",
     )
     return ", ".join(f"{k}={_fmt(result[k])}" for k in keys if k in result)
