@@ -16,8 +16,13 @@ REPEATS = 400
 
 def _stream() -> list[bytes]:
     def event(delta: dict[str, object]) -> bytes:
-        doc = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}  # fmt: skip
+        doc = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
         return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n".encode()
 
     return [event({"role": "assistant", "content": ""})] + [
@@ -43,8 +48,10 @@ def main() -> None:
     off, on = per_chunk_ns(False, chunks), per_chunk_ns(True, chunks)
     print(f"{len(chunks)} chunks of ~{len(chunks[1])} bytes, best of 5 x {REPEATS} streams:")
     print(f"  tap without reply capture: {off:.0f} ns/chunk")
-    print(f"  tap with reply capture:    {on:.0f} ns/chunk (+{on - off:.0f}; the capture stops after "
-          f"{ResponseTap.__name__} has 64 characters)")  # fmt: skip
+    print(
+        f"  tap with reply capture:    {on:.0f} ns/chunk (+{on - off:.0f}; the capture stops after "
+        f"{ResponseTap.__name__} has 64 characters)"
+    )
     first = chunks[:14]
     print(f"  first 14 chunks only, with capture: {per_chunk_ns(True, first):.0f} ns/chunk")
 
