@@ -115,6 +115,14 @@ class EngineSignals:
     def fresh(self, now: float, max_age_s: float) -> bool:
         return now - self.at <= max_age_s
 
+    def readings(self) -> list[tuple[str, float]]:
+        """(name, value) of every signal the engine reported; counters are named with ``_total``."""
+        names = ("waiting", "running", "kv_usage", "prefix_hit_rate", "spec_accept_length")
+        counters = ("prefix_queries", "prefix_hits", "spec_accepted", "spec_draft")
+        out = [(n, v) for n in names if (v := getattr(self, n)) is not None]
+        out += [(n + "_total", v) for n in counters if (v := getattr(self, n)) is not None]
+        return out
+
 
 def _first(samples: Mapping[str, float], names: tuple[str, ...]) -> float | None:
     for name in names:

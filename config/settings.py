@@ -307,6 +307,11 @@ class RoutingConfig(_Section):
         gt=0,
         description="ttft policy: a conversation loads its backend this long after its request",
     )
+    load_share: float = Field(
+        default=1.0,
+        ge=0,
+        description="ttft policy: turns of load each active conversation is expected to bring",
+    )
     speed_half_life_s: float = Field(
         default=15.0, gt=0, description="ttft policy: half-life of the learned engine speeds"
     )

@@ -155,6 +155,7 @@ def routing_params(cfg: RoutingConfig) -> RoutingParams:
         spill_min_in_flight=cfg.spill_min_in_flight,
         repin_on_spill=cfg.repin_on_spill,
         active_window_s=cfg.active_window_s,
+        load_share=cfg.load_share,
         speed_half_life_s=cfg.speed_half_life_s,
     )
 

@@ -248,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              cache_tokens=args.cache_tokens, answer_tokens=(16, 32))  # fmt: skip
         with sigterm_as_interrupt():
             out = str(args.json) if args.json else None
+            bench_scenarios.ROUTING_OVERRIDES.update(_routing_overrides(args.routing))
             return bench_scenarios.main(names, args.rounds, args.time_scale, profile, out)
     policies = _policies(args.policies)
     try:

@@ -36,6 +36,7 @@ from tools.workload import WorkloadSpec, build, total_requests
 MODEL = "sim-model"
 JOIN_WINDOW_S = 60.0  # "the following minute", in unscaled time
 SLOW_WINDOW_S = 30.0
+ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,7 @@ def start_gateway(
         for e, w in zip(engines, weights or [1.0] * len(engines), strict=True)
     ]
     routing = {"policy": policy, "active_window_s": 10.0 * time_scale, "speed_half_life_s": 15.0 * time_scale}
+    routing.update(ROUTING_OVERRIDES)
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
         "backends": backends,
