@@ -5,7 +5,9 @@
 - before routing (``plan``, ``request``, ``candidates``): the request's shape in tokens (a learned
   characters-per-token ratio), the key of turns >= 2 extended with the first reply's beginning (identical
   heads told apart, ``routing.keys.reply_key``), which backends recently prefilled the head, the twin hint
-  (the backend that produced this conversation's first reply), active (not merely pinned) conversations;
+  (the backend that produced this conversation's first reply), active conversations: those between turns
+  whose last answer ended within ``active_window_s`` (in flight ones count through their leases; pins
+  idle for longer do not count at all);
 - after sending (``sent``): the request's uncached tokens queue on its backend until the first byte;
 - in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
   typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens.
@@ -55,6 +57,7 @@ class RoutingFeedback:
         self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
         self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
         self.replies = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # extended key -> first reply's backend
+        self.heads = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # head key -> backend of its latest turn 1
         self.holders = HeadHolders(_MAX_ENTRIES)
         self.chars_per_token = Ewma(DEFAULT_CHARS_PER_TOKEN)
         self.turn_tokens = Ewma(DEFAULT_TURN_TOKENS)
@@ -88,7 +91,10 @@ class RoutingFeedback:
                 holders = holders | {pinned}
             pinned = None
         elif pinned is None:
-            hint = self.replies.get(ctx.key, self.clock())
+            # The backend that produced this first reply; else (a client that does not resend replies as
+            # they were, an unobserved reply) the one that served this head's latest first turn here.
+            now = self.clock()
+            hint = self.replies.get(ctx.key, now) or self.heads.get(info.head_key, now)
         return RouteRequest(
             ctx.key,
             pinned,
@@ -123,8 +129,11 @@ class RoutingFeedback:
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
         backend = lease.backend.id
-        self.active.move(ctx.key, backend, self.clock())
+        now = self.clock()
+        self.active.discard(ctx.key)  # in flight now: counted by the lease until it finishes
         self.holders.add(info.head_key, backend)
+        if info.first_turn:
+            self.heads.move(info.head_key, backend, now)
 
     # -- in finish: the Observer ----------------------------------------------------------------------
 
@@ -148,10 +157,15 @@ class RoutingFeedback:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
         if obs.first_byte_s is not None:
             self.speeds.prefill(obs.backend, uncached + info.queued_tokens, obs.first_byte_s, now)
+        next_key = obs.key
         if not info.first_turn:
             self.turn_tokens.add(uncached)
         elif obs.reply is not None:
-            self.replies.move(reply_key(info.head_key, obs.reply), obs.backend, now)
+            next_key = reply_key(info.head_key, obs.reply)
+            self.replies.move(next_key, obs.backend, now)
+        # Active until its next turn (or the window's end): keyed as that turn will be, so each of several
+        # twins sharing one head counts once.
+        self.active.move(next_key, obs.backend, now)
         self._publish_rates()
 
     def _publish_rates(self) -> None:

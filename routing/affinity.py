@@ -82,6 +82,12 @@ class AffinityTable:
             self._drop(found[0], key, found[1])
         self._insert(key, backend, now)
 
+    def discard(self, key: str) -> None:
+        """Drop ``key``'s pin, if any."""
+        found = self._find(key)
+        if found is not None:
+            self._drop(found[0], key, found[1])
+
     def forget_backend(self, backend: str) -> int:
         """Drop every pin to ``backend`` (it was removed from the config). Returns how many."""
         index = self._index.get(backend)

@@ -9,8 +9,8 @@
   prefilled the same head holds the head; any other holds nothing the gateway knows of.
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
-- ``load``: active conversations (idle pins excluded) each bring about one turn's tokens soon; counting
-  them spreads new conversations before the queue shows it.
+- ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
+  about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -47,7 +47,9 @@ def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     r = rate(c)
     turn = request.turn_tokens
     return (
-        queued_tokens(c, turn) / r + uncached_tokens(c, request) / r + c.conversations * turn * load_share / r
+        queued_tokens(c, turn) / r
+        + uncached_tokens(c, request) / r
+        + (c.conversations + c.in_flight) * turn * load_share / r
     )
 
 
@@ -57,5 +59,5 @@ def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
     uncached = uncached_tokens(c, request)
     queue_s = queued_tokens(c, turn) / r
     prefill_s = uncached / r
-    load_s = c.conversations * turn * load_share / r
+    load_s = (c.conversations + c.in_flight) * turn * load_share / r
     return Cost(c.id, uncached, queue_s, prefill_s, load_s, queue_s + prefill_s + load_s)

@@ -72,6 +72,10 @@ class TtftPolicy:
     # -- internals ------------------------------------------------------------------------------------
 
     def _from_home(self, home: Candidate, ready: list[Candidate], request: RouteRequest) -> Decision:
+        if home.conversations:
+            # This conversation is one of its home's active ones: elsewhere it would not be. Compared
+            # without it, a conversation does not leave just because it is there.
+            home = home._replace(conversations=home.conversations - 1)
         stay = total_s(home, request, self.load_share)
         others = [c for c in ready if c.id != home.id]
         keep = PinAction.TOUCH if request.pinned is not None else PinAction.CLAIM
