@@ -312,6 +312,9 @@ class RoutingConfig(_Section):
         ge=0,
         description="ttft policy: turns of load each active conversation is expected to bring",
     )
+    stay_margin: float = Field(
+        default=0.25, ge=0, description="ttft policy: leave the pin only when elsewhere is this much cheaper"
+    )
     speed_half_life_s: float = Field(
         default=15.0, gt=0, description="ttft policy: half-life of the learned engine speeds"
     )

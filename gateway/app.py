@@ -156,6 +156,7 @@ def routing_params(cfg: RoutingConfig) -> RoutingParams:
         repin_on_spill=cfg.repin_on_spill,
         active_window_s=cfg.active_window_s,
         load_share=cfg.load_share,
+        stay_margin=cfg.stay_margin,
         speed_half_life_s=cfg.speed_half_life_s,
     )
 

@@ -58,6 +58,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     runs.add_argument("--scenario", metavar="NAMES",
                       help="routing v2 scenarios instead (comma-separated, or 'all'): "
                       + ", ".join(bench_scenarios.SCENARIOS))  # fmt: skip
+    runs.add_argument("--variants", metavar="LIST",
+                      help="scenarios: variants to run instead of the scenario's own, e.g. "
+                      "'ttft,ttft@load_share=2;stay_margin=0.5,oracle'")  # fmt: skip
     runs.add_argument("--routing", action="append", default=[], metavar="KEY=VALUE",
                       help="gateway routing setting for every run, e.g. spill_min_in_flight=8")  # fmt: skip
     d = WorkloadSpec()
@@ -249,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_as_interrupt():
             out = str(args.json) if args.json else None
             bench_scenarios.ROUTING_OVERRIDES.update(_routing_overrides(args.routing))
+            if args.variants:
+                bench_scenarios.VARIANTS[:] = args.variants.split(",")
             return bench_scenarios.main(names, args.rounds, args.time_scale, profile, out)
     policies = _policies(args.policies)
     try:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
+import yaml
 
 from tools import procs
 from tools.bench_report import TurnRecord
@@ -37,6 +38,8 @@ MODEL = "sim-model"
 JOIN_WINDOW_S = 60.0  # "the following minute", in unscaled time
 SLOW_WINDOW_S = 30.0
 ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
+VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
+gateways_started: list[str] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +123,7 @@ def start_gateway(
     weights: Sequence[float] | None,
     time_scale: float,
     name: str,
+    overrides: dict[str, Any] | None = None,
 ) -> Child:
     port = free_port()
     backends = [
@@ -128,6 +132,7 @@ def start_gateway(
     ]
     routing = {"policy": policy, "active_window_s": 10.0 * time_scale, "speed_half_life_s": 15.0 * time_scale}
     routing.update(ROUTING_OVERRIDES)
+    routing.update(overrides or {})
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
         "backends": backends,
@@ -175,7 +180,10 @@ async def run_variant(
     round_: int,
     time_scale: float,
 ) -> dict[str, Any]:
-    policy, _, extra = variant.partition("+")
+    # "policy[+weights][@key=value;key=value]": the extra routing settings make variants of one policy.
+    name, _, settings = variant.partition("@")
+    policy, _, extra = name.partition("+")
+    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
     for e in engines:
         await client.delete(f"{e.url}/sim/faults")
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
@@ -189,8 +197,10 @@ async def run_variant(
             policy,
             sc.speeds if extra == "weights" else None,
             time_scale,
-            f"gw-{variant}-{round_}",
+            f"gw-{round_}-{len(gateways_started)}",
+            overrides,
         )
+        gateways_started.append(variant)
         await _until_state(client, gateway, engines[-1].id, {"ready"})
         target = Target((gateway.url,))
     try:
@@ -308,6 +318,8 @@ def _share(backends: list[str | None], who: str) -> float | None:
 
 async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimProfile) -> dict[str, Any]:
     sc = SCENARIOS[name]
+    if VARIANTS:
+        sc = replace(sc, variants=tuple(VARIANTS))
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in sc.variants}
     with Launcher(f"warmroute-{name}-") as launch:
         engines = start_engines(launch, sc, profile)
