@@ -4,14 +4,15 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
 
 - retry after a failure                 -> cheapest of the rest        (retry_next; the pin follows a failed
                                                                         pinned backend)
-- pinned (or the twin hint) routable     -> stay while no other backend is cheaper by the margin
+- pinned (or the twin hint) routable     -> stay unless this turn's own time (queue + prefill, no load
+                                           term) is lower elsewhere by the margin
                                            (affinity_hit: touch the pin, or claim the hint)
-  - cheaper elsewhere only because of the queue ahead of it (without the queue the pin would win): a
-    one-off spill, the pin stays                                         (spill_overload)
-  - cheaper elsewhere structurally: move the pin; the move pays one re-prefill, now, in the cost it won
-    with; spilling every turn would pay it every turn                    (move_cheaper)
+  - home no busier than there in the long run (load term): its queue drains and it keeps the history:
+    a one-off spill, the pin stays                                       (spill_overload)
+  - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
+    spilling every turn would pay it every turn                          (move_cheaper)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
-- new                                   -> cheapest, claim             (new_cheapest)
+- new                                   -> cheapest (load term included), claim        (new_cheapest)
 
 Ties go by the rendezvous tie-break, so every replica given the same snapshot decides the same.
 """
@@ -76,19 +77,21 @@ class TtftPolicy:
             # This conversation is one of its home's active ones: elsewhere it would not be. Compared
             # without it, a conversation does not leave just because it is there.
             home = home._replace(conversations=home.conversations - 1)
-        stay = total_s(home, request, self.load_share)
         others = [c for c in ready if c.id != home.id]
         keep = PinAction.TOUCH if request.pinned is not None else PinAction.CLAIM
         if not others:
             return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
         best = self._cheapest(others, request)
-        best_s = total_s(best, request, self.load_share)
-        if best_s + max(_MIN_MARGIN_S, self.stay_margin * stay) >= stay:
+        # Leaving is decided on this turn's own time (queue ahead + prefill), not on the load term: a
+        # conversation is not re-prefilled elsewhere to even out load, only when waiting at home costs more.
+        stay, there = cost(home, request, self.load_share), cost(best, request, self.load_share)
+        stay_now, there_now = stay.queue_s + stay.prefill_s, there.queue_s + there.prefill_s
+        if there_now + max(_MIN_MARGIN_S, self.stay_margin * stay_now) >= stay_now:
             return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
-        home_cost = cost(home, request, self.load_share)
-        if home_cost.prefill_s + home_cost.load_s <= best_s:
-            # Only the queue ahead makes the pin dear: it drains, and the pin still holds the history.
+        if stay.load_s <= there.load_s:
+            # Home is no busier in the long run: its queue drains, and it still holds the history.
             return self._decide(best, Reason.SPILL_OVERLOAD, PinAction.NONE, ready, request)
+        # Busier for good: move once (the re-prefill is in the cost it won with) rather than spill every turn.
         return self._decide(best, Reason.MOVE_CHEAPER, _placed(request), ready, request)
 
     def _cheapest(self, ready: list[Candidate], request: RouteRequest) -> Candidate:

@@ -130,13 +130,20 @@ def test_transient_queue_spills_one_turn_and_keeps_the_pin() -> None:
     assert (d.backend, d.reason, d.pin) == ("x", Reason.SPILL_OVERLOAD, PinAction.NONE)
 
 
+def test_many_active_conversations_without_a_queue_now_do_not_move_the_pin() -> None:
+    # This turn is fastest at home; the load term places new conversations, it moves no pin.
+    d = policy().select([cand("p", active=20), cand("x")], req(pinned="p"), NOW)
+    assert (d.backend, d.reason) == ("p", Reason.AFFINITY_HIT)
+
+
 def test_structural_overload_moves_the_pin() -> None:
-    d = policy().select([cand("p", active=20), cand("x")], req(pinned="p", turn_tokens=600), NOW)
+    cands = [cand("p", active=20, prefilling=20_000), cand("x")]
+    d = policy().select(cands, req(pinned="p", turn_tokens=600), NOW)
     assert (d.backend, d.reason, d.pin, d.uncached_tokens) == ("x", Reason.MOVE_CHEAPER, PinAction.MOVE, 3000)
 
 
 def test_moving_a_twin_hint_claims_instead_of_moving() -> None:
-    d = policy().select([cand("t", active=20), cand("x")], req(hint="t"), NOW)
+    d = policy().select([cand("t", active=20, prefilling=20_000), cand("x")], req(hint="t"), NOW)
     assert (d.reason, d.pin) == (Reason.MOVE_CHEAPER, PinAction.CLAIM)
 
 
