@@ -30,6 +30,7 @@ from routing.affinity import AffinityTable
 from routing.holders import HeadHolders
 from routing.keys import first_reply, reply_key
 from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
+from routing.policies import Policy
 from routing.shape import chat_shape
 from routing.speed import Ewma, SpeedEstimator
 from routing.types import Candidate, Decision, PinAction, RouteRequest
@@ -111,6 +112,20 @@ class RoutingFeedback:
         now = self.clock()
         self.active.expire(now)
         return self.registry.candidates(model, self.active.counts(), in_flight, now)
+
+    def explain(
+        self, ctx: RequestContext, pinned: str | None, in_flight: Mapping[str, int] | None, policy: Policy
+    ) -> Decision:
+        """The decision ``ctx`` would get now, with every candidate's costs (the admin "why" dry run).
+
+        No side effects but ``plan``'s on ``ctx`` (its key and shape): nothing is claimed, queued or learned.
+        """
+        if ctx.route is None:
+            self.plan(ctx)
+        request = replace(self.request(ctx, pinned, frozenset()), explain=True)
+        return self.settle(
+            ctx, pinned, policy.select(self.candidates(ctx.model, in_flight), request, self.clock())
+        )
 
     def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
         """A first turn never claims a head pinned elsewhere (its twin's): the claim would win it back."""

@@ -137,3 +137,17 @@ def test_a_first_reply_is_indexed_and_a_holder_that_lost_the_head_is_dropped() -
     assert feedback.replies.get(reply_key("head", "hello"), 0.0) == "a"
     feedback.observe(observation(feedback, usage=Usage(10_000, 41, 16)))  # cached 16 of a 2000-token head
     assert feedback.holders.get("head") == frozenset()
+
+
+async def test_explain_shows_the_costs_compared_and_changes_nothing() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", streamed("one"))
+    fake.script("http://b", streamed("one"))
+    proxy, feedback = v2_proxy(fake)
+    await run(proxy, first := chat(HEAD))
+    assert first.backend is not None
+    d = feedback.explain(chat(HEAD), None, None, POLICY)
+    assert d.backend is not None and d.reason is Reason.NEW_CHEAPEST
+    assert d.costs[0].backend == d.backend and {c.backend for c in d.costs} == {"a", "b"}
+    assert "uncached tokens" in d.explain()[1]
+    assert [b.prefilling for b in proxy.registry.backends.values()] == [0, 0]
