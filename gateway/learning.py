@@ -170,7 +170,9 @@ class RoutingFeedback:
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
-        if obs.first_byte_s is not None:
+        if obs.first_byte_s is not None and usage is not None:
+            # Only answers that report usage teach speed: anything else (a passthrough GET, a stream
+            # without include_usage) may not have prefilled what was estimated.
             self.speeds.prefill(obs.backend, uncached + info.queued_tokens, obs.first_byte_s, now)
         next_key = obs.key
         if not info.first_turn:

@@ -122,10 +122,11 @@ def test_observations_teach_prefill_and_decode_rates_and_the_turn_size() -> None
     assert feedback.chars_per_token.value == pytest.approx(4.0)
 
 
-def test_failed_requests_teach_nothing() -> None:
+def test_failed_requests_and_answers_without_usage_teach_no_speed() -> None:
     proxy = make_proxy(FakeTransport())
     feedback = RoutingFeedback(proxy.registry, PARAMS)
     feedback.observe(observation(feedback, outcome=RequestOutcome.HTTP_5XX, first_byte_s=100.0))
+    feedback.observe(observation(feedback, usage=None, first_byte_s=100.0))
     assert proxy.registry.backends["a"].prefill_tps == DEFAULT_PREFILL_TPS
 
 
