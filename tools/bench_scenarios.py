@@ -37,6 +37,7 @@ from tools.workload import WorkloadSpec, build, total_requests
 MODEL = "sim-model"
 JOIN_WINDOW_S = 60.0  # "the following minute", in unscaled time
 SLOW_WINDOW_S = 30.0
+EVENT_AT_S = 8.0  # the join or the slow-down, after the start (unscaled)
 ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
 VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
 gateways_started: list[str] = []
@@ -77,14 +78,14 @@ SCENARIOS: dict[str, Scenario] = {
         target="mean TTFT (ttft, no weights) <= 1.10x ttft+weights",
     ),
     "join": Scenario(
-        replace(_BASE, conversations=64, system_prompts=64),
+        replace(_BASE, conversations=192, system_prompts=192),
         ("affinity", "ttft"),
         event="join",
         target="joined engine <= 1.5x its fair share of new conversations in the next minute; "
         "0 cold follow-ups",
     ),
     "slow": Scenario(
-        replace(_BASE, conversations=64, system_prompts=64),
+        replace(_BASE, conversations=192, system_prompts=192),
         ("affinity", "ttft"),
         event="slow",
         target="slowed engine's share of new conversations falls within 30 s",
@@ -243,7 +244,7 @@ async def _event(
     if sc.event is None:
         return None
     t0 = time.monotonic()
-    await asyncio.sleep(12.0 * time_scale)
+    await asyncio.sleep(EVENT_AT_S * time_scale)
     if sc.event == "slow":
         await _faults(client, engines[0], slow_factor=4.0)
     elif sc.event == "join":
