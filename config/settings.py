@@ -308,12 +308,12 @@ class RoutingConfig(_Section):
         description="ttft policy: a conversation loads its backend this long after its request",
     )
     load_share: float = Field(
-        default=1.0,
+        default=2.0,
         ge=0,
         description="ttft policy: turns of load each active conversation is expected to bring",
     )
     stay_margin: float = Field(
-        default=0.25, ge=0, description="ttft policy: leave the pin only when elsewhere is this much cheaper"
+        default=0.6, ge=0, description="ttft policy: leave the pin only when elsewhere is this much cheaper"
     )
     speed_half_life_s: float = Field(
         default=15.0, gt=0, description="ttft policy: half-life of the learned engine speeds"

@@ -30,6 +30,6 @@ class RoutingParams:
     #: Half-life of the learned engine speeds (``routing.speed``).
     speed_half_life_s: float = 15.0
     #: Each active conversation is expected to bring this share of one turn's prefill soon.
-    load_share: float = 1.0
+    load_share: float = 2.0
     #: Leave the pin only when another backend is cheaper by this fraction of staying (and 20 ms): hysteresis.
-    stay_margin: float = 0.25
+    stay_margin: float = 0.6
