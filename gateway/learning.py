@@ -70,7 +70,10 @@ class RoutingFeedback:
         """Shape the request and, on turns >= 2 of a chat without a session id, extend its key."""
         messages = ctx.body.get("messages") if ctx.body is not None else None
         if not isinstance(messages, list):
-            ctx.route = RouteInfo(ctx.key, True, len(ctx.raw), 0, len(ctx.raw))
+            # /v1/completions (or a body we do not read): no replies to tell apart, so the pin is the
+            # conversation's own; assume it holds all but the last quarter of the prompt.
+            size = len(ctx.raw)
+            ctx.route = RouteInfo(ctx.key, ctx.body is None, size, 0, size // 4)
             return
         shape = chat_shape(messages)
         info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)

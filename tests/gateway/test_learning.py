@@ -152,3 +152,21 @@ async def test_explain_shows_the_costs_compared_and_changes_nothing() -> None:
     assert d.costs[0].backend == d.backend and {c.backend for c in d.costs} == {"a", "b"}
     assert "uncached tokens" in d.explain()[1]
     assert [b.prefilling for b in proxy.registry.backends.values()] == [0, 0]
+
+
+async def test_completions_keep_their_pin_under_ttft() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", *[Reply.json({"choices": [{"text": "x"}]}) for _ in range(4)])
+    fake.script("http://b", *[Reply.json({"choices": [{"text": "x"}]}) for _ in range(4)])
+    proxy, _ = v2_proxy(fake)
+    seen = []
+    for i in range(4):
+        body = {"model": "m", "prompt": "The same long document. " * 40 + f"question {i}"}
+        ctx = RequestContext(
+            "POST", "/v1/completions", json.dumps(body).encode(), body, "m", "ck", POLICY, []
+        )
+        await run(proxy, ctx)
+        assert ctx.backend is not None
+        seen.append((ctx.backend.id, ctx.reason))
+    assert len({b for b, _ in seen}) == 1
+    assert [r for _, r in seen] == [Reason.NEW_CHEAPEST] + [Reason.AFFINITY_HIT] * 3
