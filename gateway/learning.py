@@ -160,6 +160,10 @@ class RoutingFeedback:
         if info is None or obs.outcome is not RequestOutcome.OK:
             return
         now = self.clock()
+        if obs.backend not in self.speeds.weights:  # added at runtime (the admin API): its prior first
+            added = self.registry.backends.get(obs.backend)
+            if added is not None:
+                self.speeds.set_weight(obs.backend, added.cfg.weight)
         usage = obs.usage
         uncached = info.uncached_tokens
         if usage is not None:

@@ -170,3 +170,11 @@ async def test_completions_keep_their_pin_under_ttft() -> None:
         seen.append((ctx.backend.id, ctx.reason))
     assert len({b for b, _ in seen}) == 1
     assert [r for _, r in seen] == [Reason.NEW_CHEAPEST] + [Reason.AFFINITY_HIT] * 3
+
+
+def test_a_backend_added_at_runtime_learns_too() -> None:
+    proxy = make_proxy(FakeTransport())
+    feedback = RoutingFeedback(proxy.registry, PARAMS)
+    del feedback.speeds.weights["b"]  # as if "b" had been added after the feedback was built
+    feedback.observe(observation(feedback, backend="b"))
+    assert "b" in feedback.speeds.weights and proxy.registry.backends["b"].prefill_tps != DEFAULT_PREFILL_TPS
