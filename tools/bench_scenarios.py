@@ -279,6 +279,9 @@ def summarize(
         "load_max_mean": max(counts) / statistics.fmean(counts) if any(counts) else None,
         "split": counts,
         "cold_followups": sum(1 for r in ok if r.warm is False),
+        # prefill work the engines did (usage: prompt - cached), thousands of tokens
+        "uncached_ktok": sum((r.result.prompt_tokens or 0) - (r.result.cached_tokens or 0) for r in ok)
+        / 1000,
     }
     if event_at is not None:
         out.update(_event_shares(ok, engines, sc, event_at, time_scale))
@@ -350,6 +353,7 @@ def _brief(result: dict[str, Any]) -> str:
         "turn1_p95_ms",
         "load_max_mean",
         "cold_followups",
+        "uncached_ktok",
         "joined_vs_fair",
         "slowed_share_before",
         "slowed_share_after_30s",
