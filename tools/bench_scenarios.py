@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -37,7 +38,7 @@ from tools.workload import WorkloadSpec, build, total_requests
 MODEL = "sim-model"
 JOIN_WINDOW_S = 60.0  # "the following minute", in unscaled time
 SLOW_WINDOW_S = 30.0
-EVENT_AT_S = 8.0  # the join or the slow-down, after the start (unscaled)
+EVENT_AT_S = float(os.environ.get("WARMROUTE_BENCH_EVENT_AT_S", "8"))  # the join or slow-down (unscaled s)
 ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
 VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
 gateways_started: list[str] = []
