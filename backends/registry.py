@@ -10,8 +10,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from backends.engine_metrics import EngineSignals
 from config.settings import BackendConfig
 from routing.types import BackendState, Candidate
+
+#: Engine signals older than this are ignored (a scrape every 2 s; three missed ones make them stale).
+SIGNALS_MAX_AGE_S = 6.0
 
 
 @dataclass(slots=True)
@@ -22,6 +26,10 @@ class Backend:
     in_flight: int = 0
     last_error: str | None = None  # of the last failed health probe (the probe's own log de-duplication)
     last_checked: float | None = None
+    #: Estimated uncached prompt tokens of requests here that have had no first byte yet (the ttft policy).
+    prefilling: int = 0
+    prefill_tps: float = 0.0  # learned (gateway.learning); 0: unknown
+    signals: EngineSignals | None = None  # the last scrape of its /metrics (backends.engine_metrics)
 
     @property
     def id(self) -> str:
@@ -56,10 +64,24 @@ class Lease:
     backend: Backend
     listener: LeaseListener
     released: bool = field(default=False)
+    prefill_tokens: int = 0  # counted in ``backend.prefilling`` until the first byte (or the release)
+    queued_tokens: int = 0  # ``backend.prefilling`` ahead of this request when it was sent
+
+    def prefill(self, tokens: int) -> None:
+        """This request will prefill about ``tokens`` uncached tokens: queue them until its first byte."""
+        self.queued_tokens = self.backend.prefilling
+        self.prefill_tokens = tokens
+        self.backend.prefilling += tokens
+
+    def first_byte(self) -> None:
+        if self.prefill_tokens:
+            self.backend.prefilling -= self.prefill_tokens
+            self.prefill_tokens = 0
 
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.first_byte()
             self.backend.in_flight -= 1
             self.listener.finished(self.backend.id)
 
@@ -144,6 +166,22 @@ class Registry:
             Candidate(b.id, b.routing_state, in_flight.get(b.id, 0), conversations.get(b.id, 0), b.cfg.weight)
             for b in self.for_model(model)
         )
+
+    def candidates(
+        self, model: str | None, active: Mapping[str, int], in_flight: Mapping[str, int] | None, now: float
+    ) -> tuple[Candidate, ...]:
+        """The ttft policy's snapshot: active (not pinned) conversations, queued prefill, learned rates and
+        the engine's reported queue when its signals are fresh."""
+        out = []
+        for b in self.for_model(model):
+            s = b.signals
+            waiting = -1
+            if s is not None and s.waiting is not None and now - s.at <= SIGNALS_MAX_AGE_S:
+                waiting = int(s.waiting)
+            flying = b.in_flight if in_flight is None else in_flight.get(b.id, 0)
+            out.append(Candidate(b.id, b.routing_state, flying, active.get(b.id, 0), b.cfg.weight,
+                                 b.prefilling, b.prefill_tps, waiting))  # fmt: skip
+        return tuple(out)
 
     def lease(self, backend_id: str) -> Lease:
         """Count one request on ``backend_id`` until the returned lease is released."""

@@ -62,6 +62,7 @@ class BudgetEnforcement(StrEnum):
 
 class PolicyName(StrEnum):
     AFFINITY = "affinity"
+    TTFT = "ttft"
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
 
@@ -368,6 +369,22 @@ class RoutingConfig(_Section):
         "engine's batch size: a spilled turn re-reads its whole prompt elsewhere)",
     )
     repin_on_spill: bool = Field(default=False, description="Move the pin when a turn spills")
+    active_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="ttft policy: a conversation loads its backend this long after its request",
+    )
+    load_share: float = Field(
+        default=2.0,
+        ge=0,
+        description="ttft policy: turns of load each active conversation is expected to bring",
+    )
+    stay_margin: float = Field(
+        default=0.6, ge=0, description="ttft policy: leave the pin only when elsewhere is this much cheaper"
+    )
+    speed_half_life_s: float = Field(
+        default=15.0, gt=0, description="ttft policy: half-life of the learned engine speeds"
+    )
     completion_key_chars: int = Field(
         default=512, ge=16, description="Leading prompt characters that key a /v1/completions conversation"
     )

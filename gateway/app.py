@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.engine_metrics import SignalScraper
 from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.managed import BackendController
@@ -33,6 +34,7 @@ from gateway.context import RequestContext
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
+from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
@@ -64,7 +66,8 @@ class Gateway:
         self.registry = Registry(settings.backends, listener=self.store)  # leases drive the shared counts
         self.metrics = Metrics(self.registry)
         self.metrics.degraded.set_function(lambda: 1.0 if self.store.status().get("degraded") else 0.0)
-        self.policy = make_policy(routing_params(settings.routing))
+        params = routing_params(settings.routing)
+        self.policy = make_policy(params)
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
                 max_connections=settings.limits.max_connections,
@@ -107,6 +110,13 @@ class Gateway:
             self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
             self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
         self.sidecar = self._vision(settings)
+        # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
+        self.signals: SignalScraper | None = None
+        if params.policy == "ttft":
+            feedback = RoutingFeedback(self.registry, params, settings.routing.session_header)
+            self.proxy.feedback = feedback
+            self.proxy.observers = (*self.proxy.observers, feedback)
+            self.signals = SignalScraper(self.registry, self.client)
         self.created = int(time.time())
         self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
 
@@ -157,6 +167,8 @@ class Gateway:
             gc.freeze()
         # 4. Keep probing in the background: one task per backend, so a slow one delays no other.
         self.health.start()
+        if self.signals is not None:
+            self.signals.start()
         try:
             yield
         finally:
@@ -170,6 +182,8 @@ class Gateway:
             #    managed engines (and a managed sidecar) get their stop command or SIGTERM, then SIGKILL
             #    after stop_timeout_s.
             await self.health.aclose()
+            if self.signals is not None:
+                await self.signals.aclose()
             await asyncio.gather(self.fleet.aclose(), *([self.sidecar.aclose()] if self.sidecar else []))
             # 7. Close upstream connections and the state store.
             await self.transport.aclose()
@@ -198,6 +212,10 @@ def routing_params(cfg: RoutingConfig) -> RoutingParams:
         spill_factor=cfg.spill_factor,
         spill_min_in_flight=cfg.spill_min_in_flight,
         repin_on_spill=cfg.repin_on_spill,
+        active_window_s=cfg.active_window_s,
+        load_share=cfg.load_share,
+        stay_margin=cfg.stay_margin,
+        speed_half_life_s=cfg.speed_half_life_s,
     )
 
 

@@ -22,7 +22,7 @@ from routing.types import Reason
 
 if TYPE_CHECKING:
     from gateway.budgets import Thinking
-    from gateway.observe import ResponseTap
+    from gateway.observe import ResponseTap, RouteInfo
     from gateway.vision import VisionMemo
 
 
@@ -51,6 +51,7 @@ class RequestContext:
     outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR
     first_byte_at: float | None = None
     tap: ResponseTap | None = None  # what the relay saw, for the observers (gateway/observe.py)
+    route: RouteInfo | None = None  # the ttft policy's plan of this request (gateway/learning.py)
     responded: bool = False  # the response head went to the client
     client_gone: bool = False
     finishing: bool = False  # the last body message is being sent: a disconnect now is normal

@@ -475,6 +475,7 @@ class _BackendCollector(Collector):
             for s in BackendState:
                 state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
         yield from (in_flight, pinned, state, circuit)
+        yield from _routing_signals(self.backends)
 
 
 _STARTING_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600)
@@ -557,3 +558,29 @@ class ClientRequests(Collector):
         for name, n in list(self.counts.items()):
             family.add_metric([name], n)
         yield family
+
+
+def _routing_signals(registry: Registry) -> Iterator[GaugeMetricFamily]:
+    """Routing v2's view of each backend: learned prefill rate, queued prefill, the engine's last signals."""
+    tps = GaugeMetricFamily(
+        "warmroute_backend_prefill_tokens_per_second",
+        "Learned prefill rate (ttft policy)",
+        labels=["backend"],
+    )
+    queued = GaugeMetricFamily(
+        "warmroute_backend_prefill_queued_tokens",
+        "Estimated uncached prompt tokens of requests awaiting their first byte (ttft policy)",
+        labels=["backend"],
+    )
+    engine = GaugeMetricFamily(
+        "warmroute_engine_signal",
+        "The engine's own /metrics at the last scrape (ttft policy); counters keep their _total name",
+        labels=["backend", "signal"],
+    )
+    for b in registry.backends.values():
+        tps.add_metric([b.id], b.prefill_tps)
+        queued.add_metric([b.id], b.prefilling)
+        if b.signals is not None:
+            for name, value in b.signals.readings():
+                engine.add_metric([b.id, name], value)
+    yield from (tps, queued, engine)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.outcomes import RequestOutcome
+from routing.keys import REPLY_CHARS, reply_text
 from routing.types import Reason
 
 # The usage object sits in the last few hundred bytes of a body or stream (vLLM, SGLang and llama.cpp put it
@@ -23,6 +24,25 @@ from routing.types import Reason
 _TAIL_BYTES = 4096
 _USAGE = b'"usage"'
 _DECODER = json.JSONDecoder()
+# The first reply's beginning (identical heads told apart): sought in at most this many SSE events or bytes of
+# a plain body, so a long reasoning prelude costs a bounded amount (the reply then stays unknown).
+_REPLY_EVENTS = 256
+_REPLY_HEAD_BYTES = 16384
+_CONTENT = b'"content"'
+_ARGUMENTS = b'"arguments"'
+
+
+@dataclass(slots=True)
+class RouteInfo:
+    """What the ttft routing planned for one request (``gateway.learning``), read back by its observer."""
+
+    head_key: str  # the key of the conversation head (twins share it; ``key`` may extend it)
+    first_turn: bool  # no assistant message yet: the reply is this conversation's first
+    prompt_chars: int  # the body's size (a learned ratio turns it into tokens)
+    head_chars: int
+    tail_chars: int = 0  # after the last assistant message (the whole prompt on turn 1)
+    uncached_tokens: int = 0  # the estimate for the backend the request went to
+    queued_tokens: int = 0  # prefill estimated ahead of it there when it was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +66,8 @@ class Observation:
     events: int  # SSE ``data:`` events relayed (about one per token for a streamed chat)
     body_bytes: int  # bytes relayed
     usage: Usage | None
+    route: RouteInfo | None = None  # set when the ttft policy routed it
+    reply: str | None = None  # the beginning of the reply (``REPLY_CHARS``), when the tap was asked for it
 
 
 class Observer(Protocol):
@@ -53,23 +75,129 @@ class Observer(Protocol):
 
 
 class ResponseTap:
-    """Fed each relayed chunk; remembers a bounded tail and counts SSE events. O(chunk) in C per feed."""
+    """Fed each relayed chunk; remembers a bounded tail and counts SSE events. O(chunk) in C per feed.
 
-    __slots__ = ("_tail", "body_bytes", "events")
+    With ``reply=True`` it also keeps the beginning of the reply: the first ``REPLY_CHARS`` characters of the
+    streamed ``delta.content`` (else of the first tool call's arguments), or of a plain JSON body's first
+    message. Only events that contain a content or arguments string are decoded, and only until enough is
+    collected; after that a feed costs one attribute test more than without it.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "_args",
+        "_content",
+        "_head",
+        "_partial",
+        "_plain",
+        "_seeking",
+        "_tail",
+        "body_bytes",
+        "events",
+    )
+
+    def __init__(self, reply: bool = False) -> None:
         self._tail = b""
         self.events = 0
         self.body_bytes = 0
+        self._seeking = reply
+        self._plain: bool | None = None  # a JSON body (True) or a stream (False); None: no byte seen yet
+        self._head = b""  # a plain body's first bytes (only while seeking)
+        self._partial = b""  # an SSE line cut by the chunk boundary
+        self._content = ""
+        self._args = ""
 
     def feed(self, chunk: bytes) -> None:
         self.body_bytes += len(chunk)
         self.events += chunk.count(b"data: ")
         tail = self._tail + chunk
         self._tail = tail[-_TAIL_BYTES:] if len(tail) > _TAIL_BYTES else tail
+        if self._seeking:
+            self._seek(chunk)
 
     def usage(self) -> Usage | None:
         return parse_usage(self._tail)
+
+    def reply(self) -> str | None:
+        """The reply's beginning, or None (not asked for, nothing found, or not found in time)."""
+        if self._content or self._args:
+            return (self._content or self._args)[:REPLY_CHARS]
+        if self._plain and self._head:
+            return _plain_reply(self._head)
+        return None
+
+    def _seek(self, chunk: bytes) -> None:
+        if self._plain is None:  # the first bytes say which: a JSON body opens with "{", a stream does not
+            start = chunk.lstrip()
+            if not start:
+                return
+            self._plain = start[:1] == b"{"
+        if self._plain:
+            self._head += chunk[: _REPLY_HEAD_BYTES - len(self._head)]
+            self._seeking = len(self._head) < _REPLY_HEAD_BYTES
+            return
+        data = self._partial + chunk
+        cut = data.rfind(b"\n") + 1
+        self._partial = data[cut:][-_TAIL_BYTES:]
+        for line in data[:cut].split(b"\n"):
+            if _CONTENT in line or _ARGUMENTS in line:
+                self._take(line)
+        if len(self._content) >= REPLY_CHARS or self.events > _REPLY_EVENTS:
+            self._seeking = False
+
+    def _take(self, line: bytes) -> None:
+        at = line.find(_CONTENT)
+        if at >= 0:  # a content delta: decode only its string, not the whole event (the common case)
+            text = _string_at(line[at + len(_CONTENT) :])
+            if text is not None:
+                self._content += text
+                return
+        if self._content or _ARGUMENTS not in line:
+            return
+        try:  # a tool call: rare enough to decode whole (its index must be checked)
+            calls = json.loads(line.removeprefix(b"data:"))["choices"][0]["delta"]["tool_calls"]
+            call = calls[0]
+            arguments = call["function"]["arguments"]
+        except (ValueError, LookupError, TypeError):
+            return
+        if isinstance(arguments, str) and isinstance(call, dict) and call.get("index", 0) == 0:
+            self._args += arguments
+
+
+def _string_at(rest: bytes) -> str | None:
+    """The JSON string value after a key (``rest`` starts right after ``"content"``), or None."""
+    text = rest[: 4 * REPLY_CHARS + 64].decode("utf-8", "replace").lstrip()
+    if not text.startswith(":"):
+        return None
+    text = text[1:].lstrip()
+    if not text.startswith('"'):
+        return None  # null (a reasoning or role delta)
+    try:
+        value, _ = _DECODER.raw_decode(text)
+    except ValueError:  # longer than the window: take it whole
+        try:
+            value, _ = _DECODER.raw_decode(rest.decode("utf-8", "replace").lstrip()[1:].lstrip())
+        except ValueError:
+            return None
+    return value if isinstance(value, str) else None
+
+
+def _plain_reply(head: bytes) -> str | None:
+    """The first message's reply text in a (possibly cut) JSON chat-completion body."""
+    try:
+        message = json.loads(head)["choices"][0]["message"]
+    except (ValueError, LookupError, TypeError):
+        at = head.find(_CONTENT)
+        if at < 0:
+            return None
+        rest = head[at + len(_CONTENT) :].decode("utf-8", "replace").lstrip()
+        if not rest.startswith(":"):
+            return None
+        try:
+            text, _ = _DECODER.raw_decode(rest[1:].lstrip())
+        except ValueError:
+            return None  # cut inside the string: unknown
+        return text[:REPLY_CHARS] if isinstance(text, str) else None
+    return reply_text(message) if isinstance(message, dict) else None
 
 
 def parse_usage(tail: bytes) -> Usage | None:

@@ -58,6 +58,7 @@ from routing.types import BackendState, Decision, PinAction, RouteRequest
 
 if TYPE_CHECKING:
     from gateway.continuation import Continuation
+    from gateway.learning import RoutingFeedback
     from gateway.reasoning import ReasoningRelay
     from gateway.waiting import WaitingRoom
 
@@ -115,6 +116,7 @@ class Proxy:
         self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
         self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
         self.waiting: WaitingRoom | None = None  # requests for on-demand engines wait here; set by the app
+        self.feedback: RoutingFeedback | None = None  # the ttft policy's inputs and learning; set by the app
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
@@ -172,6 +174,8 @@ class Proxy:
             )
         for rule in self.filters:
             ctx.ineligible |= rule.ineligible(ctx)
+        if self.feedback is not None:
+            self.feedback.plan(ctx)  # may extend ctx.key (turns >= 2 of identical heads told apart)
         view = await self.store.view(ctx.key if ctx.policy.uses_affinity else None)
         ctx.pinned = view.pinned
         backend, refused = await self._choose(ctx, view, frozenset())
@@ -205,11 +209,20 @@ class Proxy:
             exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
-        candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
+        feedback = self.feedback
+        if feedback is not None and ctx.route is not None:  # the ttft policy: gateway/learning.py
+            candidates = feedback.candidates(ctx.model, view.in_flight)
+            request = feedback.request(ctx, ctx.pinned, exclude)
+        else:
+            candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
+            request = RouteRequest(ctx.key, ctx.pinned, exclude)
         if ctx.ineligible:  # absent, not excluded: a policy treats an exclusion as a retry
             candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
-        request = RouteRequest(ctx.key, ctx.pinned, exclude)
-        return ctx.policy.select(candidates, request, time.monotonic())
+        decision = ctx.policy.select(candidates, request, time.monotonic())
+        if feedback is not None and ctx.route is not None:
+            ctx.route.uncached_tokens = decision.uncached_tokens
+            return feedback.settle(ctx, ctx.pinned, decision)
+        return decision
 
     async def _commit(self, ctx: RequestContext, decision: Decision) -> str:
         assert decision.backend is not None
@@ -228,6 +241,8 @@ class Proxy:
     async def _attempt(self, ctx: RequestContext, backend_id: str) -> Attempt:
         backend = self.registry.backends[backend_id]
         ctx.lease = self.registry.lease(backend_id)
+        if self.feedback is not None and ctx.route is not None:
+            self.feedback.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
         payload = ctx.raw
         if ctx.body is not None:  # only bodies an endpoint owns are shaped; passthrough bodies go as they are
             draft = Draft(ctx.body)
@@ -290,7 +305,7 @@ class Proxy:
             head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
         ctx.responded = True
         if self.observers:
-            ctx.tap = ResponseTap()
+            ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn)
         await send(head)
         error = await self._pump(ctx, chunks, send, self._guard_for(ctx, sse))
         if error is None:
@@ -322,6 +337,7 @@ class Proxy:
             async for chunk in chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
+                    ctx.lease.first_byte()  # its prefill is no longer queued on the engine
                 if tap is not None:
                     tap.feed(chunk)
                 if guard is not None and guard.feed(chunk) and self._tripped(backend, guard):
@@ -400,6 +416,8 @@ class Proxy:
             events=0 if tap is None else tap.events,
             body_bytes=0 if tap is None else tap.body_bytes,
             usage=None if tap is None else tap.usage(),
+            route=ctx.route,
+            reply=None if tap is None else tap.reply(),
         )
         for observer in self.observers:
             try:

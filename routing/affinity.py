@@ -90,6 +90,10 @@ class AffinityTable:
         self._drop(found[0], key, found[1])
         return self._names[found[1]]
 
+    def discard(self, key: str) -> None:
+        """Drop ``key``'s pin, if any."""
+        self.forget(key)
+
     def forget_backend(self, backend: str) -> int:
         """Drop every pin to ``backend`` (it was removed from the config). Returns how many."""
         index = self._index.get(backend)

@@ -98,3 +98,51 @@ def _digest(fields: list[bytes]) -> str:
     for data in fields:
         framed += (len(data).to_bytes(8, "little"), data, _SEP)
     return xxhash.xxh3_128_hexdigest(b"".join(framed))
+
+
+# -- identical heads told apart ---------------------------------------------------------------------------
+
+#: Characters of the first reply that tell twins apart (sampled replies differ within a few tokens).
+REPLY_CHARS = 64
+
+
+def reply_key(key: str, reply: str) -> str:
+    """The key of turns >= 2: the head's key extended with the beginning of the first assistant reply.
+
+    The gateway computes the same value from the reply as it streams past (``gateway.observe``), so each of
+    several conversations sharing one head follows the backend that produced its own first reply.
+    """
+    return _digest([b"reply", key.encode(), reply[:REPLY_CHARS].encode()])
+
+
+def first_reply(messages: list[Any]) -> str | None:
+    """The beginning of the first assistant message after the first user message, or None (turn 1)."""
+    seen_user = False
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if role == "user":
+            seen_user = True
+        elif role == "assistant" and seen_user:
+            return reply_text(msg)
+    return None
+
+
+def reply_text(msg: Mapping[str, Any]) -> str:
+    """A reply's text (content, else its first tool call's arguments), cut to ``REPLY_CHARS``."""
+    content = msg.get("content")
+    text = ""
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    if not text:
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+            function = calls[0].get("function")
+            if isinstance(function, dict):
+                text = str(function.get("arguments") or "")
+    return text[:REPLY_CHARS]

@@ -15,26 +15,26 @@ def routable(candidates: Iterable[Candidate], exclude: frozenset[str] = frozense
 
 def tie_break(key: str, backend: str) -> int:
     """Rendezvous hash: equal loads resolve the same way on every replica, but differently per key."""
-    return _rendezvous(_key_seed(key), backend)
+    return rendezvous(key_seed(key), backend)
 
 
 def least_loaded(candidates: Iterable[Candidate], key: str) -> Candidate | None:
     """Fewest (conversations + in-flight) per unit of weight; ties go by ``tie_break``."""
-    seed = _key_seed(key)  # hashed once per decision, not once per candidate
+    seed = key_seed(key)  # hashed once per decision, not once per candidate
     best: Candidate | None = None
     best_rank: tuple[float, int] = (0.0, 0)
     for c in candidates:
-        rank = (c.load, _rendezvous(seed, c.id))
+        rank = (c.load, rendezvous(seed, c.id))
         if best is None or rank < best_rank:
             best, best_rank = c, rank
     return best
 
 
-def _key_seed(key: str) -> int:
+def key_seed(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-def _rendezvous(seed: int, backend: str) -> int:
+def rendezvous(seed: int, backend: str) -> int:
     return xxhash.xxh3_64_intdigest(backend.encode(), seed=seed)
 
 

@@ -27,6 +27,10 @@ class Reason(StrEnum):
     REPIN_UNHEALTHY = "repin_unhealthy"
     REPIN_REMOVED = "repin_removed"
     NEW_LEAST_LOADED = "new_least_loaded"
+    NEW_CHEAPEST = (
+        "new_cheapest"  # ttft policy: a new conversation to the lowest expected time to first token
+    )
+    MOVE_CHEAPER = "move_cheaper"  # ttft policy: the pin moves, one re-prefill is cheaper than staying
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     RETRY_NEXT = "retry_next"
@@ -52,8 +56,14 @@ class Candidate(NamedTuple):
     id: str
     state: BackendState
     in_flight: int
-    conversations: int
+    conversations: int  # pinned conversations (affinity), or active ones (ttft: those seen lately)
     weight: float = 1.0
+    #: Estimated uncached prompt tokens of this gateway's requests on it that have not had a first byte yet.
+    prefilling: int = 0
+    #: Prefill rate in tokens/s (learned, with the weight as a prior); 0: unknown.
+    prefill_tps: float = 0.0
+    #: Requests the engine reports waiting in its queue (its ``/metrics``); -1: unknown or stale.
+    waiting: int = -1
 
     @property
     def routable(self) -> bool:
@@ -72,6 +82,36 @@ class RouteRequest:
     key: str
     pinned: str | None = None
     exclude: frozenset[str] = frozenset()
+    # -- what the ttft policy also reads (estimates in tokens; 0 when unknown) ----------------------------
+    prompt_tokens: int = 0
+    head_tokens: int = 0  # the shared head: system/developer messages and the first user message
+    tail_tokens: int = 0  # appended since the last assistant message: what a warm follow-up still reads
+    turn_tokens: int = 600  # uncached tokens a turn adds, on average (learned by the gateway)
+    #: Backends that recently prefilled this head (for any conversation with it): they read only the rest.
+    holders: frozenset[str] = frozenset()
+    #: The backend that produced this conversation's first reply (a twin of an identical head): it holds the
+    #: whole history, like a pin does.
+    hint: str | None = None
+    #: Fill ``Decision.costs`` (the admin "why" dry run); the hot path leaves it off.
+    explain: bool = False
+
+
+class Cost(NamedTuple):
+    """Expected time to first token of one request on one candidate, and what it is made of."""
+
+    backend: str
+    uncached_tokens: int  # prompt tokens this backend would have to prefill
+    queue_s: float  # prefill work queued ahead of it
+    prefill_s: float  # its own uncached tokens / the backend's prefill rate
+    load_s: float  # the active conversations' next turns, which will compete with it
+    total_s: float
+
+    def line(self) -> str:
+        return (
+            f"{self.backend}: {self.total_s * 1000:.0f} ms = queue {self.queue_s * 1000:.0f} + prefill "
+            f"{self.prefill_s * 1000:.0f} ({self.uncached_tokens} uncached tokens) + load "
+            f"{self.load_s * 1000:.0f}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +119,13 @@ class Decision:
     backend: str | None
     reason: Reason
     pin: PinAction = PinAction.NONE
+    uncached_tokens: int = 0  # the estimate for the chosen backend (ttft policy; the gateway's queue ledger)
+    costs: tuple[Cost, ...] = ()  # every candidate's cost, cheapest first, when the request asked to explain
+
+    def explain(self) -> list[str]:
+        """Human-readable costs compared (empty unless the request asked for them)."""
+        head = [f"-> {self.backend} ({self.reason.value}, pin {self.pin.value})"]
+        return head + [c.line() for c in self.costs] if self.costs else head
 
 
 NO_BACKEND = Decision(None, Reason.NO_BACKEND)

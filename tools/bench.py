@@ -25,11 +25,12 @@ import httpx
 import yaml
 
 from tools import bench_report as report
+from tools import bench_scenarios
 from tools.bench_run import Outcome, Plan, run_all
 from tools.launch import Engine, Launcher, LaunchError, SimProfile, sigterm_as_interrupt
 from tools.workload import WorkloadSpec, build, total_requests
 
-GATEWAY_POLICIES = ("affinity", "least_loaded", "round_robin")
+GATEWAY_POLICIES = ("affinity", "ttft", "least_loaded", "round_robin")
 ALL_POLICIES = (*GATEWAY_POLICIES, report.ORACLE)
 SIM_MODEL = "sim-model"
 DEFAULT_PLOT = "bench-out/bench-ttft.png"
@@ -54,6 +55,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--policies", default=",".join(ALL_POLICIES), help="comma-separated; 'oracle' = no gateway"
     )
     runs.add_argument("--rounds", type=int, default=3, help="repeat every policy this often (order rotates)")
+    runs.add_argument("--scenario", metavar="NAMES",
+                      help="routing v2 scenarios instead (comma-separated, or 'all'): "
+                      + ", ".join(bench_scenarios.SCENARIOS))  # fmt: skip
+    runs.add_argument("--variants", metavar="LIST",
+                      help="scenarios: variants to run instead of the scenario's own, e.g. "
+                      "'ttft,ttft@load_share=2;stay_margin=0.5,oracle'")  # fmt: skip
     runs.add_argument("--routing", action="append", default=[], metavar="KEY=VALUE",
                       help="gateway routing setting for every run, e.g. spill_min_in_flight=8")  # fmt: skip
     d = WorkloadSpec()
@@ -238,6 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.from_json:
         return _report_again(args)
+    if args.scenario:
+        names = list(bench_scenarios.SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
+        profile = SimProfile(prefill_tps=args.prefill_tps, decode_tps=args.decode_tps,
+                             cache_tokens=args.cache_tokens, answer_tokens=(16, 32))  # fmt: skip
+        with sigterm_as_interrupt():
+            out = str(args.json) if args.json else None
+            bench_scenarios.ROUTING_OVERRIDES.update(_routing_overrides(args.routing))
+            if args.variants:
+                bench_scenarios.VARIANTS[:] = args.variants.split(",")
+            return bench_scenarios.main(names, args.rounds, args.time_scale, profile, out)
     policies = _policies(args.policies)
     try:
         spec = _spec(args, sims=not args.engines)

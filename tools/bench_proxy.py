@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateway before upstream
         up = children.enter_context(child(upstream_argv(up_port)))
         config = Path(tmp, "gw.yaml")
-        config.write_text(json.dumps(_gateway_config(gw_port, up_port)))
+        config.write_text(json.dumps(_gateway_config(gw_port, up_port, args.policy)))
         gc_file = Path(tmp, "gc.json") if args.gc_probe else None
         gw_proc = children.enter_context(child(_gateway_argv(config, gc_file)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
@@ -342,6 +342,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policy", default="affinity", help="the gateway's routing policy (affinity, ttft, ...)")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
     args = ap.parse_args(argv)
@@ -360,11 +361,12 @@ def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
     return python("-c", _PROBED, str(gc_file), *serve)
 
 
-def _gateway_config(gw_port: int, up_port: int) -> dict[str, Any]:
+def _gateway_config(gw_port: int, up_port: int, policy: str = "affinity") -> dict[str, Any]:
     return {
         "server": {"port": gw_port, "log_level": "warning"},
         "backends": [{"id": "up", "url": f"http://127.0.0.1:{up_port}", "models": ["bench"]}],
         "health": {"interval_s": 60},
+        "routing": {"policy": policy},
     }
 
 
@@ -373,7 +375,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     assert len(sizes) == 1, f"bodies differ in size between paths: {sizes}"
     probe = ", GC probe on" if args.gc_probe else ""
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
-    print(f"gateway: 1 uvicorn worker, affinity policy, in-memory state{probe}; all on 127.0.0.1")
+    print(f"gateway: 1 uvicorn worker, {args.policy} policy, in-memory state{probe}; all on 127.0.0.1")
     print(
         f"request body: {min(sizes)} bytes on every path; {args.rounds} rounds of {args.seconds:g} s a run;"
     )

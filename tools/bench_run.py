@@ -55,6 +55,7 @@ class Plan:
     routing: Mapping[str, Any]
     api_key: str | None
     progress_s: float
+    seeded: bool = False  # each conversation sends its own sampling ``seed`` (twins' replies differ)
 
 
 class Outcome(NamedTuple):
@@ -87,6 +88,8 @@ async def play(
             if pause:
                 await asyncio.sleep(pause)
             body = chat_body(plan.model, conv.messages(k, replies), plan.spec.max_tokens)
+            if plan.seeded:
+                body["seed"] = conv.index
             started = time.monotonic() - t0
             result = await stream_chat(client, url, body, plan.headers)
             if fixed_engine is not None:

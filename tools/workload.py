@@ -46,12 +46,17 @@ class WorkloadSpec:
     think_ms: float = 300.0
     system_prompts: int = SYSTEM_PROMPTS
     seed: int = 0
+    #: > 0: identical heads. Conversation i is in group i mod ceil(conversations / group_size); a group
+    #: shares its system prompt *and* its first user message (best-of-N, parallel rollouts of one task).
+    group_size: int = 0
 
     def __post_init__(self) -> None:
         if self.conversations < 1 or self.turns < 1 or self.system_prompts < 1:
             raise ValueError("conversations, turns and system_prompts must be >= 1")
         if min(self.system_tokens, self.context_tokens, self.user_tokens) < 4 or self.max_tokens < 1:
             raise ValueError("system/context/user tokens must be >= 4 and max_tokens >= 1")
+        if self.group_size < 0:
+            raise ValueError("group_size must be >= 0")
         if not 0 <= self.hot_fraction <= 1 or self.hot_turn_factor < 1 or self.think_ms < 0:
             raise ValueError("hot_fraction must be in [0, 1], hot_turn_factor >= 1, think_ms >= 0")
 
@@ -94,6 +99,8 @@ def build(spec: WorkloadSpec, salt: str = "") -> list[Conversation]:
     if spec.hot_fraction > 0 and hot_count == 0:
         hot_count = 1
     hot = set(shape.sample(range(spec.conversations), hot_count))
+    groups = -(-spec.conversations // spec.group_size) if spec.group_size else 0
+    tasks = [_words(text, f"[g{g}-t1{salt}]", _around(shape, spec.context_tokens)) for g in range(groups)]
     conversations = []
     for i in range(spec.conversations):
         is_hot = i in hot
@@ -104,8 +111,11 @@ def build(spec: WorkloadSpec, salt: str = "") -> list[Conversation]:
         pauses = [0.0] + [
             0.0 if is_hot else shape.uniform(0, 2 * spec.think_ms) / 1000 for _ in range(turns - 1)
         ]
-        user = tuple(_words(text, f"[c{i}-t{k + 1}{salt}]", n) for k, n in enumerate(sizes))
-        conversations.append(Conversation(i, systems[i % len(systems)], user, tuple(pauses), is_hot))
+        user = [_words(text, f"[c{i}-t{k + 1}{salt}]", n) for k, n in enumerate(sizes)]
+        system = systems[i % len(systems)]
+        if groups:
+            user[0], system = tasks[i % groups], systems[(i % groups) % len(systems)]
+        conversations.append(Conversation(i, system, tuple(user), tuple(pauses), is_hot))
     return conversations
 
 

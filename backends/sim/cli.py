@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="wait this long before listening, like an engine loading its weights (not time-scaled)",
     )
+    faults.add_argument(
+        "--slow-factor", type=float, default=1.0, metavar="F", help="multiplies prefill/decode"
+    )
+    p.add_argument("--prefill-serial", action="store_true", help="one prefill at a time (FIFO)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true")
     return p
@@ -78,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         stall_s=args.stall_s,
         repeat_token=args.repeat_token,
         health_fail=args.health_fail,
+        slow_factor=args.slow_factor,
     )
     return SimConfig(
         name=args.name,
@@ -94,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         answer_tokens=args.answer_tokens,
         reasoning_tokens=args.reasoning_tokens,
         reasoning=args.reasoning,
+        prefill_serial=args.prefill_serial,
         time_scale=args.time_scale,
         seed=args.seed,
         faults=faults,

@@ -30,6 +30,7 @@ class Faults:
     - ``stall_s``: wall-clock seconds to wait before the first byte (not multiplied by ``time_scale``).
     - ``repeat_token``: decode emits one token repeated up to the length limit (finish_reason ``length``).
     - ``health_fail``: ``/health`` answers 503.
+    - ``slow_factor``: multiplies every prefill and decode delay (an engine that slows down mid-run).
     """
 
     fail_next: int = 0
@@ -37,8 +38,11 @@ class Faults:
     stall_s: float = 0.0
     repeat_token: bool = False
     health_fail: bool = False
+    slow_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.slow_factor <= 0:
+            raise ValueError("slow_factor must be > 0")
         if self.fail_next < 0:
             raise ValueError("fail_next must be >= 0")
         if self.die_mid_stream_after is not None and self.die_mid_stream_after < 0:
@@ -57,6 +61,9 @@ class SimConfig:
     - each later token of a stream takes one decode step; with R streams running,
       step = (1 + ``decode_slowdown`` * (R - 1)) / ``decode_tps``,
       i.e. per-stream speed = decode_tps / (1 + decode_slowdown * (R - 1)).
+    - ``prefill_serial``: prefills run one at a time, first come first served (a real engine's prefill
+      token budget is shared by the requests in it); the cache is looked up when a prefill starts, so a
+      request queued behind the same prefix hits it. Off: every prefill runs in parallel.
     """
 
     name: str = "sim"
@@ -73,6 +80,7 @@ class SimConfig:
     answer_tokens: tuple[int, int] = DEFAULT_ANSWER_TOKENS
     reasoning_tokens: tuple[int, int] = DEFAULT_REASONING_TOKENS
     reasoning: bool = False
+    prefill_serial: bool = False
     time_scale: float = 1.0
     seed: int = 0
     faults: Faults = field(default_factory=Faults)

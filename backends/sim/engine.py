@@ -73,6 +73,8 @@ class SimEngine:
         self._ids = itertools.count(1)
         self._held: dict[int, int] = {}  # running request id -> tokens in its KV blocks
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._prefill_lock: asyncio.Lock | None = None  # made on first use: bound to the running loop
+        self._prefill_waiters = 0  # admitted, waiting for the serial prefill (vLLM counts them as waiting)
 
     # -- gauges ---------------------------------------------------------------------------------------------
 
@@ -82,7 +84,7 @@ class SimEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + self._prefill_waiters
 
     def kv_cache_usage(self) -> float:
         """Share of KV blocks held by running requests (cached-but-idle blocks count as free, as in vLLM)."""
@@ -123,7 +125,16 @@ class SimEngine:
                 waiter.set_result(None)
 
     async def _sleep(self, seconds: float) -> None:
-        await self._sleep_fn(seconds * self.cfg.time_scale)
+        await self._sleep_fn(seconds * self.cfg.time_scale * self.faults.current.slow_factor)
+
+    async def _prefill(self, prompt: Sequence[str], hashes: list[bytes], usage: RequestUsage) -> None:
+        """Look the prompt up in the cache, spend the time of what it missed, cache the prompt."""
+        usage.cached_tokens = self.cache.match(hashes, len(prompt))
+        self.stats.prefix_cache_queries += len(prompt)
+        self.stats.prefix_cache_hits += usage.cached_tokens
+        self.stats.prompt_tokens += len(prompt)
+        await self._sleep(ttft_seconds(self.cfg, len(prompt) - usage.cached_tokens))
+        self.cache.insert(hashes)
 
     # -- one request ----------------------------------------------------------------------------------------
 
@@ -141,13 +152,21 @@ class SimEngine:
         generated: list[str] = []
         prefilled = finished = False
         try:
-            usage.cached_tokens = self.cache.match(prompt_hashes, len(prompt))
-            self.stats.prefix_cache_queries += len(prompt)
-            self.stats.prefix_cache_hits += usage.cached_tokens
-            self.stats.prompt_tokens += len(prompt)
             self._held[request_id] = len(prompt)
-            await self._sleep(ttft_seconds(self.cfg, len(prompt) - usage.cached_tokens))
-            self.cache.insert(prompt_hashes)
+            if self.cfg.prefill_serial:
+                if self._prefill_lock is None:
+                    self._prefill_lock = asyncio.Lock()  # FIFO: waiters are woken in arrival order
+                self._prefill_waiters += 1
+                try:
+                    await self._prefill_lock.acquire()
+                finally:
+                    self._prefill_waiters -= 1
+                try:
+                    await self._prefill(prompt, prompt_hashes, usage)
+                finally:
+                    self._prefill_lock.release()
+            else:
+                await self._prefill(prompt, prompt_hashes, usage)
             prefilled = True
             for index, (kind, text) in enumerate(plan.pieces()):
                 if index:

@@ -21,6 +21,7 @@ class FaultsPatch(BaseModel):
     stall_s: float | None = Field(default=None, ge=0)
     repeat_token: bool | None = None
     health_fail: bool | None = None
+    slow_factor: float | None = Field(default=None, gt=0)
 
 
 class FaultState:

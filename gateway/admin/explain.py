@@ -4,7 +4,8 @@ The key comes from the endpoint itself (``Endpoint.context``: the same validatio
 hashing as a real request), the candidates from a fresh snapshot, the decision from the configured policy.
 Nothing is committed: no pin is claimed, touched or moved, no lease is taken, no breaker trial is used, no
 decision is counted. (With Redis, the snapshot's script republishes this replica's in-flight counts, as
-every heartbeat does.)
+every heartbeat does.) Under the ``ttft`` policy a sample body is planned as a real request would be (its
+key may be extended to tell identical heads apart) and the reply lists every candidate's estimated cost.
 """
 
 from __future__ import annotations
@@ -12,24 +13,34 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.registry import Registry
 from gateway.admin.body import finite
-from gateway.admin.models import CandidateView, ExplainRequest, Explanation
+from gateway.admin.models import CandidateView, CostView, ExplainRequest, Explanation
+from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest
 from gateway.state import AffinityStore
 from routing.policies import Policy
-from routing.types import Candidate, RouteRequest
+from routing.types import Candidate, Cost, Decision, RouteRequest
+
+if TYPE_CHECKING:
+    from gateway.learning import RoutingFeedback
 
 _CORE = frozenset(Candidate._fields)
 
 
 class Explainer:
     def __init__(
-        self, registry: Registry, store: AffinityStore, policy_name: str, endpoints: Mapping[str, Endpoint]
+        self,
+        registry: Registry,
+        store: AffinityStore,
+        policy_name: str,
+        endpoints: Mapping[str, Endpoint],
+        feedback: RoutingFeedback | None = None,
     ) -> None:
+        self.feedback = feedback  # the ttft policy's inputs (gateway/learning.py), when it is configured
         self.registry = registry
         self.store = store
         self.policy_name = policy_name
@@ -37,11 +48,22 @@ class Explainer:
 
     async def explain(self, req: ExplainRequest) -> Explanation:
         endpoint = self.endpoints[req.path]
-        key, model = self._key(req, endpoint)
+        ctx = self._context(req, endpoint)
+        key, model = (req.key, req.model) if ctx is None else (ctx.key, ctx.model)
+        assert key is not None
         policy: Policy = endpoint.policy
+        feedback = self.feedback if ctx is not None else None
+        if feedback is not None and ctx is not None:
+            feedback.plan(ctx)  # as the proxy does before routing: the key may grow a reply hash
+            key = ctx.key
         view = await self.store.view(key if policy.uses_affinity else None)
-        candidates = self.registry.snapshot(model, view.conversations, view.in_flight)
-        decision = policy.select(candidates, RouteRequest(key, view.pinned), time.monotonic())
+        decision: Decision
+        if feedback is not None and ctx is not None:
+            candidates = feedback.candidates(model, view.in_flight)
+            decision = feedback.explain(ctx, view.pinned, view.in_flight, policy)
+        else:
+            candidates = self.registry.snapshot(model, view.conversations, view.in_flight)
+            decision = policy.select(candidates, RouteRequest(key, view.pinned), time.monotonic())
         return Explanation(
             key=key,
             model=model,
@@ -51,23 +73,36 @@ class Explainer:
             reason=decision.reason.value,
             pin_action=decision.pin.value,
             candidates=[_candidate(c) for c in candidates],
+            costs=[_cost(c) for c in decision.costs],
+            why=decision.explain(),
             note="dry run: nothing was committed; a real request may still find its claim won by another "
             "replica, or a half-open breaker refusing it",
         )
 
-    def _key(self, req: ExplainRequest, endpoint: Endpoint) -> tuple[str, str | None]:
+    def _context(self, req: ExplainRequest, endpoint: Endpoint) -> RequestContext | None:
+        """The request context a real request with this body would get (None: a bare key was given)."""
         if (req.key is None) == (req.body is None):
             raise BadRequest("give exactly one of key or body", param="key")
         if req.key is not None:
-            return req.key, req.model
+            return None
         raw = json.dumps(req.body).encode()
         headers = [
             (k.lower().encode("latin-1", "replace"), v.encode("latin-1", "replace"))
             for k, v in req.headers.items()
         ]
         scope: dict[str, Any] = {"type": "http", "method": "POST", "path": req.path, "headers": headers}
-        ctx = endpoint.context(scope, raw)  # BadRequest for what the endpoint would refuse
-        return ctx.key, ctx.model
+        return endpoint.context(scope, raw)  # BadRequest for what the endpoint would refuse
+
+
+def _cost(c: Cost) -> CostView:
+    return CostView(
+        backend=c.backend,
+        uncached_tokens=c.uncached_tokens,
+        queue_s=finite(c.queue_s),
+        prefill_s=finite(c.prefill_s),
+        load_s=finite(c.load_s),
+        total_s=finite(c.total_s),
+    )
 
 
 def _candidate(c: Candidate) -> CandidateView:

@@ -124,6 +124,17 @@ class CandidateView(BaseModel):
     signals: dict[str, Any]
 
 
+class CostView(BaseModel):
+    """The ttft policy's estimate of one candidate's time to first token, and what it is made of."""
+
+    backend: str
+    uncached_tokens: int
+    queue_s: float | None  # None: not finite (a backend with no known prefill rate)
+    prefill_s: float | None
+    load_s: float | None
+    total_s: float | None
+
+
 class Explanation(BaseModel):
     key: str
     model: str | None
@@ -133,6 +144,8 @@ class Explanation(BaseModel):
     reason: str
     pin_action: str
     candidates: list[CandidateView]
+    costs: list[CostView] = Field(default_factory=list, description="ttft policy: each candidate's estimate")
+    why: list[str] = Field(default_factory=list, description="The decision and the costs it compared")
     note: str
 
 

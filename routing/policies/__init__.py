@@ -9,6 +9,7 @@ from routing.params import RoutingParams
 from routing.policies.affinity import AffinityPolicy
 from routing.policies.least_loaded import LeastLoadedPolicy
 from routing.policies.round_robin import RoundRobinPolicy
+from routing.policies.ttft import TtftPolicy
 from routing.types import Candidates, Decision, RouteRequest
 
 
@@ -26,6 +27,7 @@ POLICIES: dict[str, Callable[[RoutingParams], Policy]] = {
     "affinity": AffinityPolicy,
     "least_loaded": lambda _params: LeastLoadedPolicy(),
     "round_robin": lambda _params: RoundRobinPolicy(),
+    "ttft": TtftPolicy,
 }
 
 

@@ -50,6 +50,22 @@ def test_explain_computes_the_endpoints_key_and_commits_nothing(cluster: Cluster
     assert next(cand for cand in by_key["candidates"] if cand["id"] == served)["conversations"] == 1
 
 
+def test_explain_under_the_ttft_policy_lists_each_candidates_cost_and_commits_nothing(
+    cluster: ClusterFactory,
+) -> None:
+    c = cluster(["a", "b"], routing={"policy": "ttft"})
+    decisions_before = metric_lines(c.url, "warmroute_routing_decisions_total")
+    e = explain(c.url, {"body": chat_body("conv-y")}).json()
+    assert e["policy"] == "ttft" and e["reason"] == "new_cheapest" and e["backend"] in ("a", "b")
+    assert sorted(cost["backend"] for cost in e["costs"]) == ["a", "b"]
+    chosen = next(cost for cost in e["costs"] if cost["backend"] == e["backend"])
+    assert chosen["total_s"] == min(cost["total_s"] for cost in e["costs"]) and chosen["uncached_tokens"] > 0
+    assert e["why"][0].startswith(f"-> {e['backend']} (new_cheapest") and len(e["why"]) == 3
+    assert httpx.get(f"{c.url}/admin/pins/{e['key']}").status_code == 404
+    assert metric_lines(c.url, "warmroute_routing_decisions_total") == decisions_before
+    assert c.in_flight() == 0 and sum(len(engine.requests) for engine in c.engines.values()) == 0
+
+
 def test_explain_uses_the_session_header_and_the_completions_key(cluster: ClusterFactory) -> None:
     c = cluster(["a"])
     r = explain(c.url, {"body": chat_body("q"), "headers": {"X-Session-Id": "s-1"}})

@@ -48,6 +48,7 @@ def replicas(redis_server: RedisServer, redis_prefix: str) -> Iterator[ReplicasF
         redis: dict[str, Any] | None = None,
         shared: bool = True,
         store: Callable[[Any], RedisAffinityStore] | None = None,
+        routing: dict[str, Any] | None = None,
     ) -> Replicas:
         engines = {n: FakeEngine(n) for n in names}
         engine_urls = {n: stack.enter_context(serve(e.app()))[0] for n, e in engines.items()}
@@ -60,7 +61,9 @@ def replicas(redis_server: RedisServer, redis_prefix: str) -> Iterator[ReplicasF
             backends = [
                 {"id": n, "url": u, "models": ["m"], "weight": w.get(n, 1.0)} for n, u in engine_urls.items()
             ]
-            settings = load_settings(None, backends=backends, health=FAST_HEALTH, redis=redis_cfg)
+            settings = load_settings(
+                None, backends=backends, health=FAST_HEALTH, redis=redis_cfg, routing=routing or {}
+            )
             app = create_app(settings, store(settings) if store else None)
             urls.append(stack.enter_context(serve(app))[0])
             gateways.append(app.state.gateway)
@@ -246,3 +249,32 @@ def test_redis_dying_mid_traffic_is_invisible_to_clients_and_pins_come_back(
             backend,
             "affinity_hit",
         )
+
+
+def test_ttft_routing_still_costs_at_most_two_round_trips_and_its_pins_are_shared(
+    replicas: ReplicasFactory,
+) -> None:
+    """Routing v2 keeps its learning local; pins (including the extended keys of turns >= 2) are shared."""
+    counting = CountingConnection.fresh()
+
+    def store(settings: Any) -> RedisAffinityStore:
+        pool = redis_pool(settings.redis, connection_class=counting)
+        return RedisAffinityStore(
+            settings.redis, settings.routing, [b.id for b in settings.backends], pool=pool
+        )
+
+    r = replicas(2, ("a", "b"), redis={"heartbeat_s": 60, "lease_ttl_s": 120}, store=store,
+                 routing={"policy": "ttft"})  # fmt: skip
+    chat(r.urls[0], turn("warm-up", 0))
+    chat(r.urls[1], turn("warm-up", 0))
+    before, requests = counting.sent, 0
+    with httpx.Client() as client:
+        for conv in range(6):
+            seen = set()
+            for i in range(4):
+                # turns 1-2 on replica 0, later ones on replica 1: it finds the pin turn 2 claimed
+                response = chat(r.urls[0 if i < 2 else 1], turn(f"conv {conv}", i), client)
+                seen.add(response.headers["x-warmroute-backend"])
+                requests += 1
+            assert len(seen) == 1, seen
+    assert (counting.sent - before) / requests <= 2

@@ -57,6 +57,7 @@ def box() -> Iterator[Make]:
         modes: dict[str, str],
         sidecar: FakeSidecar | None = None,
         health: dict[str, Any] | None = None,
+        routing: dict[str, Any] | None = None,
         **sidecar_cfg: Any,
     ) -> Box:
         fake = sidecar or FakeSidecar()
@@ -71,6 +72,7 @@ def box() -> Iterator[Make]:
             backends=backends,
             sidecar={"url": sidecar_url, **sidecar_cfg},
             health=health or {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+            routing=routing or {},
         )
         app = create_app(settings)
         url, _ = stack.enter_context(serve(app))
@@ -328,6 +330,17 @@ def test_a_none_backend_never_gets_an_image_request_while_another_can_take_it(bo
     # A new image conversation is claimed like any other (the text-only backend is absent, not a failure).
     fresh = [b.chat([user(image(DOG))], session="new").headers["x-warmroute-route"] for _ in range(2)]
     assert fresh == ["new_least_loaded", "affinity_hit"]
+    assert all("image_url" not in raw.decode() for raw in b.engines["t"].raw)
+
+
+def test_the_ttft_policy_never_sends_an_image_to_a_none_backend_either(box: Make) -> None:
+    b = box({"t": "none", "n": "native"}, routing={"policy": "ttft"})
+    text_only = {
+        b.chat([{"role": "user", "content": f"hi {i}"}]).headers["x-warmroute-backend"] for i in range(6)
+    }
+    assert text_only == {"t", "n"}  # text spreads over both
+    routed = {b.chat([user(text(f"look {i}"), image(CAT))]).headers["x-warmroute-backend"] for i in range(6)}
+    assert routed == {"n"}
     assert all("image_url" not in raw.decode() for raw in b.engines["t"].raw)
 
 

@@ -63,6 +63,7 @@ async def test_health_fail_and_reset(client: httpx.AsyncClient) -> None:
         "stall_s": 0.0,
         "repeat_token": False,
         "health_fail": False,
+        "slow_factor": 1.0,
     }
     assert (await client.get("/health")).status_code == 200
 

@@ -1,0 +1,202 @@
+"""The ttft policy's memory in the gateway: what it has seen, turned into the inputs of a pure decision.
+
+``RoutingFeedback`` is both ends of one loop:
+
+- before routing (``plan``, ``request``, ``candidates``): the request's shape in tokens (a learned
+  characters-per-token ratio), the key of turns >= 2 extended with the first reply's beginning (identical
+  heads told apart, ``routing.keys.reply_key``), which backends recently prefilled the head, the twin hint
+  (the backend that produced this conversation's first reply), active conversations: those between turns
+  whose last answer ended within ``active_window_s`` (in flight ones count through their leases; pins
+  idle for longer do not count at all);
+- after sending (``sent``): the request's uncached tokens queue on its backend until the first byte;
+- in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
+  typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens.
+
+State here is this process's own (with Redis, pins and in-flight counts are shared; all of this is local
+and rebuilt from traffic within a minute). Synchronous and I/O-free, like every observer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from backends.registry import Lease, Registry
+from gateway.context import RequestContext
+from gateway.observe import Observation, RouteInfo
+from gateway.outcomes import RequestOutcome
+from routing.affinity import AffinityTable
+from routing.holders import HeadHolders
+from routing.keys import first_reply, reply_key
+from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
+from routing.policies import Policy
+from routing.shape import chat_shape
+from routing.speed import Ewma, SpeedEstimator
+from routing.types import Candidate, Decision, PinAction, RouteRequest
+
+#: Bytes of a request body per prompt token before usage reports teach better (JSON framing included).
+DEFAULT_CHARS_PER_TOKEN = 4.0
+_REPLIES_TTL_S = 3600.0
+_MAX_ENTRIES = 200_000
+#: A holder whose reported cached tokens fall below this share of the head has lost it.
+_HELD_SHARE = 0.5
+
+
+class RoutingFeedback:
+    def __init__(
+        self,
+        registry: Registry,
+        params: RoutingParams,
+        session_header: str = "x-session-id",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.clock = clock
+        self.session_header = session_header.lower().encode()
+        weights = {b.id: b.cfg.weight for b in registry.backends.values()}
+        self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
+        self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
+        self.replies = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # extended key -> first reply's backend
+        self.heads = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # head key -> backend of its latest turn 1
+        self.holders = HeadHolders(_MAX_ENTRIES)
+        self.chars_per_token = Ewma(DEFAULT_CHARS_PER_TOKEN)
+        self.turn_tokens = Ewma(DEFAULT_TURN_TOKENS)
+        self._publish_rates()
+
+    # -- before routing -------------------------------------------------------------------------------
+
+    def plan(self, ctx: RequestContext) -> None:
+        """Shape the request and, on turns >= 2 of a chat without a session id, extend its key."""
+        messages = ctx.body.get("messages") if ctx.body is not None else None
+        if not isinstance(messages, list):
+            # /v1/completions (or a body we do not read): no replies to tell apart, so the pin is the
+            # conversation's own; assume it holds all but the last quarter of the prompt.
+            size = len(ctx.raw)
+            ctx.route = RouteInfo(ctx.key, ctx.body is None, size, 0, size // 4)
+            return
+        shape = chat_shape(messages)
+        info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
+        if shape.turn > 1 and not self._has_session(ctx):
+            reply = first_reply(messages)
+            if reply is not None:
+                ctx.key = reply_key(ctx.key, reply)
+        ctx.route = info
+
+    def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
+        info = ctx.route
+        assert info is not None
+        cpt = self.chars_per_token.value
+        holders = self.holders.get(info.head_key)
+        hint = None
+        if info.first_turn:
+            # The head's pin only says who prefilled the head (a twin, or this conversation's turn 1).
+            if pinned is not None:
+                holders = holders | {pinned}
+            pinned = None
+        elif pinned is None:
+            # The backend that produced this first reply; else (a client that does not resend replies as
+            # they were, an unobserved reply) the one that served this head's latest first turn here.
+            now = self.clock()
+            hint = self.replies.get(ctx.key, now) or self.heads.get(info.head_key, now)
+        return RouteRequest(
+            ctx.key,
+            pinned,
+            exclude,
+            prompt_tokens=int(info.prompt_chars / cpt),
+            head_tokens=int(info.head_chars / cpt),
+            tail_tokens=int(info.tail_chars / cpt),
+            turn_tokens=int(self.turn_tokens.value),
+            holders=holders,
+            hint=hint,
+        )
+
+    def candidates(self, model: str | None, in_flight: Mapping[str, int] | None) -> tuple[Candidate, ...]:
+        now = self.clock()
+        self.active.expire(now)
+        return self.registry.candidates(model, self.active.counts(), in_flight, now)
+
+    def explain(
+        self, ctx: RequestContext, pinned: str | None, in_flight: Mapping[str, int] | None, policy: Policy
+    ) -> Decision:
+        """The decision ``ctx`` would get now, with every candidate's costs (the admin "why" dry run).
+
+        No side effects but ``plan``'s on ``ctx`` (its key and shape): nothing is claimed, queued or learned.
+        """
+        if ctx.route is None:
+            self.plan(ctx)
+        request = replace(self.request(ctx, pinned, frozenset()), explain=True)
+        return self.settle(
+            ctx, pinned, policy.select(self.candidates(ctx.model, in_flight), request, self.clock())
+        )
+
+    def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
+        """A first turn never claims a head pinned elsewhere (its twin's): the claim would win it back."""
+        info = ctx.route
+        if info is not None and info.first_turn and pinned is not None and decision.pin is PinAction.CLAIM:
+            return replace(decision, pin=PinAction.NONE)
+        return decision
+
+    # -- after sending --------------------------------------------------------------------------------
+
+    def sent(self, ctx: RequestContext, lease: Lease, uncached_tokens: int) -> None:
+        """The request went to ``lease.backend``: queue its prefill there and remember who holds what."""
+        info = ctx.route
+        if info is None:
+            return
+        lease.prefill(uncached_tokens)
+        info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
+        backend = lease.backend.id
+        now = self.clock()
+        self.active.discard(ctx.key)  # in flight now: counted by the lease until it finishes
+        self.holders.add(info.head_key, backend)
+        if info.first_turn:
+            self.heads.move(info.head_key, backend, now)
+
+    # -- in finish: the Observer ----------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> None:
+        info = obs.route
+        if info is None or obs.outcome is not RequestOutcome.OK:
+            return
+        now = self.clock()
+        if obs.backend not in self.speeds.weights:  # added at runtime (the admin API): its prior first
+            added = self.registry.backends.get(obs.backend)
+            if added is not None:
+                self.speeds.set_weight(obs.backend, added.cfg.weight)
+        usage = obs.usage
+        uncached = info.uncached_tokens
+        if usage is not None:
+            if usage.prompt_tokens > 0:
+                self.chars_per_token.add(info.prompt_chars / usage.prompt_tokens)
+            if usage.cached_tokens is not None:
+                uncached = usage.prompt_tokens - usage.cached_tokens
+                head = info.head_chars / self.chars_per_token.value
+                if usage.cached_tokens < _HELD_SHARE * head and not info.first_turn:
+                    self.holders.drop(info.head_key, obs.backend)
+            ttft = obs.first_byte_s
+            if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
+                self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
+        if obs.first_byte_s is not None and usage is not None:
+            # Only answers that report usage teach speed: anything else (a passthrough GET, a stream
+            # without include_usage) may not have prefilled what was estimated.
+            self.speeds.prefill(obs.backend, uncached + info.queued_tokens, obs.first_byte_s, now)
+        next_key = obs.key
+        if not info.first_turn:
+            self.turn_tokens.add(uncached)
+        elif obs.reply is not None:
+            next_key = reply_key(info.head_key, obs.reply)
+            self.replies.move(next_key, obs.backend, now)
+        # Active until its next turn (or the window's end): keyed as that turn will be, so each of several
+        # twins sharing one head counts once.
+        self.active.move(next_key, obs.backend, now)
+        self._publish_rates()
+
+    def _publish_rates(self) -> None:
+        rates = self.speeds.prefill_tps
+        for b in self.registry.backends.values():
+            b.prefill_tps = rates.get(b.id, 0.0)
+
+    def _has_session(self, ctx: RequestContext) -> bool:
+        name = self.session_header
+        return any(n == name for n, _ in ctx.headers)

@@ -1,0 +1,63 @@
+"""Expected time to first token of one request on one candidate: the ttft policy's cost model.
+
+    total = (queued + uncached + load) / rate
+
+- ``rate``: the backend's prefill rate (learned by the gateway, ``routing.speed``; before that the weight
+  times ``DEFAULT_PREFILL_TPS``).
+- ``uncached``: prompt tokens it does not hold. The pinned backend (or the one that produced this
+  conversation's first reply) holds all but the tail appended since the last reply; a backend that recently
+  prefilled the same head holds the head; any other holds nothing the gateway knows of.
+- ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
+  engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
+- ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
+  about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
+
+Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
+"""
+
+from __future__ import annotations
+
+from routing.params import DEFAULT_PREFILL_TPS
+from routing.types import Candidate, Cost, RouteRequest
+
+
+def rate(c: Candidate) -> float:
+    return c.prefill_tps if c.prefill_tps > 0 else DEFAULT_PREFILL_TPS * c.weight
+
+
+def cached_tokens(c: Candidate, request: RouteRequest) -> int:
+    if c.id == request.pinned or c.id == request.hint:
+        return max(0, request.prompt_tokens - request.tail_tokens)
+    if c.id in request.holders:
+        return min(request.head_tokens, request.prompt_tokens)
+    return 0
+
+
+def uncached_tokens(c: Candidate, request: RouteRequest) -> int:
+    return request.prompt_tokens - cached_tokens(c, request)
+
+
+def queued_tokens(c: Candidate, turn_tokens: int) -> int:
+    reported = c.waiting * turn_tokens if c.waiting > 0 else 0
+    return max(c.prefilling, reported)
+
+
+def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
+    """``cost(...).total_s`` without building the ``Cost`` (same arithmetic, same float): the hot path's."""
+    r = rate(c)
+    turn = request.turn_tokens
+    return (
+        queued_tokens(c, turn) / r
+        + uncached_tokens(c, request) / r
+        + (c.conversations + c.in_flight) * turn * load_share / r
+    )
+
+
+def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
+    r = rate(c)
+    turn = request.turn_tokens
+    uncached = uncached_tokens(c, request)
+    queue_s = queued_tokens(c, turn) / r
+    prefill_s = uncached / r
+    load_s = (c.conversations + c.in_flight) * turn * load_share / r
+    return Cost(c.id, uncached, queue_s, prefill_s, load_s, queue_s + prefill_s + load_s)

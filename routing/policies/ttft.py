@@ -1,0 +1,126 @@
+"""TTFT (routing v2): place every request where its expected time to first token is lowest.
+
+Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate + active load).
+
+- retry after a failure                 -> cheapest of the rest        (retry_next; the pin follows a failed
+                                                                        pinned backend)
+- pinned (or the twin hint) routable     -> stay unless this turn's own time (queue + prefill, no load
+                                           term) is lower elsewhere by the margin
+                                           (affinity_hit: touch the pin, or claim the hint)
+  - home no busier than there in the long run (load term): its queue drains and it keeps the history:
+    a one-off spill, the pin stays                                       (spill_overload)
+  - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
+    spilling every turn would pay it every turn                          (move_cheaper)
+- pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
+- new                                   -> cheapest (load term included), claim        (new_cheapest)
+
+Ties go by the rendezvous tie-break, so every replica given the same snapshot decides the same.
+"""
+
+from __future__ import annotations
+
+from routing.cost import cost, total_s, uncached_tokens
+from routing.load import key_seed, rendezvous
+from routing.params import RoutingParams
+from routing.types import (
+    NO_BACKEND,
+    Candidate,
+    Candidates,
+    Cost,
+    Decision,
+    PinAction,
+    Reason,
+    RouteRequest,
+)
+
+_MIN_MARGIN_S = 0.02
+
+
+class TtftPolicy:
+    uses_affinity = True
+
+    def __init__(self, cfg: RoutingParams) -> None:
+        self.load_share = cfg.load_share
+        self.stay_margin = cfg.stay_margin
+
+    def select(self, candidates: Candidates, request: RouteRequest, now: float) -> Decision:
+        ready = [c for c in candidates if c.routable and c.id not in request.exclude]
+        if not ready:
+            return NO_BACKEND
+        if request.exclude:
+            best = self._cheapest(ready, request)
+            failed = request.pinned in request.exclude or request.hint in request.exclude
+            return self._decide(
+                best, Reason.RETRY_NEXT, PinAction.MOVE if failed else PinAction.NONE, ready, request
+            )
+        home_id = request.pinned if request.pinned is not None else request.hint
+        home = _find(candidates, home_id)
+        if home is not None and home.routable:
+            return self._from_home(home, ready, request)
+        best = self._cheapest(ready, request)
+        if home_id is None:
+            return self._decide(best, Reason.NEW_CHEAPEST, PinAction.CLAIM, ready, request)
+        reason = Reason.REPIN_REMOVED if home is None else Reason.REPIN_UNHEALTHY
+        return self._decide(best, reason, _placed(request), ready, request)
+
+    def costs(self, candidates: Candidates, request: RouteRequest) -> tuple[Cost, ...]:
+        """Every routable candidate's cost, cheapest first (the same order ``select`` ranks them in)."""
+        seed = key_seed(request.key)
+        ready = [c for c in candidates if c.routable and c.id not in request.exclude]
+        ranked = sorted(ready, key=lambda c: (total_s(c, request, self.load_share), rendezvous(seed, c.id)))
+        return tuple(cost(c, request, self.load_share) for c in ranked)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _from_home(self, home: Candidate, ready: list[Candidate], request: RouteRequest) -> Decision:
+        if home.conversations:
+            # This conversation is one of its home's active ones: elsewhere it would not be. Compared
+            # without it, a conversation does not leave just because it is there.
+            home = home._replace(conversations=home.conversations - 1)
+        others = [c for c in ready if c.id != home.id]
+        keep = PinAction.TOUCH if request.pinned is not None else PinAction.CLAIM
+        if not others:
+            return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
+        best = self._cheapest(others, request)
+        # Leaving is decided on this turn's own time (queue ahead + prefill), not on the load term: a
+        # conversation is not re-prefilled elsewhere to even out load, only when waiting at home costs more.
+        stay, there = cost(home, request, self.load_share), cost(best, request, self.load_share)
+        stay_now, there_now = stay.queue_s + stay.prefill_s, there.queue_s + there.prefill_s
+        if there_now + max(_MIN_MARGIN_S, self.stay_margin * stay_now) >= stay_now:
+            return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
+        if stay.load_s <= there.load_s:
+            # Home is no busier in the long run: its queue drains, and it still holds the history.
+            return self._decide(best, Reason.SPILL_OVERLOAD, PinAction.NONE, ready, request)
+        # Busier for good: move once (the re-prefill is in the cost it won with) rather than spill every turn.
+        return self._decide(best, Reason.MOVE_CHEAPER, _placed(request), ready, request)
+
+    def _cheapest(self, ready: list[Candidate], request: RouteRequest) -> Candidate:
+        seed = key_seed(request.key)
+        best = ready[0]
+        best_rank = (total_s(best, request, self.load_share), rendezvous(seed, best.id))
+        for c in ready[1:]:
+            rank = (total_s(c, request, self.load_share), rendezvous(seed, c.id))
+            if rank < best_rank:
+                best, best_rank = c, rank
+        return best
+
+    def _decide(
+        self, chosen: Candidate, reason: Reason, pin: PinAction, ready: list[Candidate], request: RouteRequest
+    ) -> Decision:
+        uncached = uncached_tokens(chosen, request)
+        costs = self.costs(ready, request) if request.explain else ()
+        return Decision(chosen.id, reason, pin, uncached, costs)
+
+
+def _placed(request: RouteRequest) -> PinAction:
+    """A pin that exists is moved; a twin hint was never stored, so it is claimed."""
+    return PinAction.MOVE if request.pinned is not None else PinAction.CLAIM
+
+
+def _find(candidates: Candidates, backend: str | None) -> Candidate | None:
+    if backend is None:
+        return None
+    for c in candidates:
+        if c.id == backend:
+            return c
+    return None

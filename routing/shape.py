@@ -1,0 +1,56 @@
+"""A request's shape in characters, for the cost model: the whole head and the tail since the last reply.
+
+Characters, not tokens: the gateway does not tokenize. It converts with a learned characters-per-token
+ratio (``gateway.learning``). Images count ``IMAGE_CHARS`` each (an image costs hundreds of tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+IMAGE_CHARS = 2000
+
+
+class Shape(NamedTuple):
+    head_chars: int  # system/developer messages and the first user message
+    tail_chars: int  # messages after the last assistant message (all of them on turn 1)
+    turn: int  # assistant messages seen + 1
+
+
+def chat_shape(messages: list[Any]) -> Shape:
+    head = tail = 0
+    replies = 0
+    in_head = True
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        n = message_chars(msg)
+        if in_head:
+            head += n
+            in_head = msg.get("role") != "user"
+        if msg.get("role") == "assistant":
+            replies += 1
+            tail = 0
+        else:
+            tail += n
+    return Shape(head, tail, replies + 1)
+
+
+def message_chars(msg: Mapping[str, Any]) -> int:
+    content = msg.get("content")
+    n = 0
+    if isinstance(content, str):
+        n = len(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                n += len(text) if isinstance(text, str) else IMAGE_CHARS
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                n += len(str(function.get("arguments") or ""))
+    return n

@@ -1,0 +1,99 @@
+"""Learned engine speed: smoothed prefill and decode rates per backend, with the weight as the prior.
+
+Each sample is (tokens, seconds) at time ``now``. Both sums decay with a half-life, so an engine that slows
+down is seen within a few half-lives; a prior of ``prior_tokens`` at the configured speed (weight x the
+fleet's reference rate per unit of weight) keeps a backend with few samples near what it was configured as:
+
+    rate = (tokens + prior_tokens) / (seconds + prior_tokens / prior_rate)
+
+Prefill samples are the uncached prompt tokens plus the tokens queued ahead of the request, over its time
+to first token: the same quantity the cost model divides by the rate (``routing.cost``). Pure: ``now`` is
+passed in; rates are recomputed on every sample, so reading one is a dict lookup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from routing.params import DEFAULT_PREFILL_TPS
+
+DEFAULT_DECODE_TPS = 50.0
+_MIN_SECONDS = 1e-3
+
+
+@dataclass(slots=True)
+class _Sums:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    at: float = 0.0
+
+    def add(self, tokens: float, seconds: float, now: float, half_life_s: float) -> None:
+        if self.tokens or self.seconds:
+            keep = math.exp2(-max(0.0, now - self.at) / half_life_s)
+            self.tokens *= keep
+            self.seconds *= keep
+        self.tokens += tokens
+        self.seconds += seconds
+        self.at = now
+
+
+class SpeedEstimator:
+    def __init__(
+        self, weights: Mapping[str, float], half_life_s: float = 15.0, prior_tokens: float = 2000.0
+    ) -> None:
+        if half_life_s <= 0 or prior_tokens <= 0:
+            raise ValueError("half_life_s and prior_tokens must be > 0")
+        self.half_life_s = half_life_s
+        self.prior_tokens = prior_tokens
+        self.weights = dict(weights)
+        self._prefill: dict[str, _Sums] = {}
+        self._decode: dict[str, _Sums] = {}
+        self.prefill_tps: dict[str, float] = {}  # backend -> current estimate (read on the hot path)
+        self.decode_tps: dict[str, float] = {}
+        self._recompute()
+
+    def set_weight(self, backend: str, weight: float) -> None:
+        """A backend added (or re-weighted) at runtime."""
+        self.weights[backend] = weight
+        self._recompute()
+
+    def prefill(self, backend: str, tokens: float, seconds: float, now: float) -> None:
+        if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
+            self._prefill.setdefault(backend, _Sums()).add(tokens, seconds, now, self.half_life_s)
+            self._recompute()
+
+    def decode(self, backend: str, tokens: float, seconds: float, now: float) -> None:
+        if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
+            self._decode.setdefault(backend, _Sums()).add(tokens, seconds, now, self.half_life_s)
+            self._recompute()
+
+    def _recompute(self) -> None:
+        for sums, out, default in ((self._prefill, self.prefill_tps, DEFAULT_PREFILL_TPS),
+                                   (self._decode, self.decode_tps, DEFAULT_DECODE_TPS)):  # fmt: skip
+            reference = self._reference(sums, default)
+            for backend, weight in self.weights.items():
+                prior_rate = reference * weight
+                s = sums.get(backend)
+                tokens, seconds = (s.tokens, s.seconds) if s is not None else (0.0, 0.0)
+                out[backend] = (tokens + self.prior_tokens) / (seconds + self.prior_tokens / prior_rate)
+
+    def _reference(self, sums: Mapping[str, _Sums], default: float) -> float:
+        """Rate per unit of weight over what was measured (the default before any sample)."""
+        tokens = sum(s.tokens for b, s in sums.items() if b in self.weights)
+        weighted_seconds = sum(s.seconds * self.weights[b] for b, s in sums.items() if b in self.weights)
+        return tokens / weighted_seconds if weighted_seconds > 0 else default
+
+
+class Ewma:
+    """An exponentially weighted mean over samples (not time): for fleet-wide shapes such as a turn's size."""
+
+    __slots__ = ("alpha", "value")
+
+    def __init__(self, initial: float, alpha: float = 0.05) -> None:
+        self.value = initial
+        self.alpha = alpha
+
+    def add(self, sample: float) -> None:
+        self.value += self.alpha * (sample - self.value)

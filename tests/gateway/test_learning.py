@@ -1,0 +1,180 @@
+"""Routing v2 in the proxy: identical heads told apart by their first reply, the prefill ledger, learning."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from test_proxy_phases import make_proxy, run
+
+from gateway.context import RequestContext
+from gateway.learning import RoutingFeedback
+from gateway.observe import Observation, RouteInfo, Usage
+from gateway.outcomes import RequestOutcome
+from gateway.proxy import Proxy
+from gateway.state import MemoryAffinityStore
+from routing.keys import chat_key, reply_key
+from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
+from routing.policies.ttft import TtftPolicy
+from routing.types import Reason
+
+from transports import FakeTransport, Reply
+
+pytestmark = pytest.mark.anyio
+
+PARAMS = RoutingParams("ttft", 2.0, 8, False)
+POLICY = TtftPolicy(PARAMS)
+HEAD = [{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Solve the task."}]
+SSE = [(b"content-type", b"text/event-stream")]
+
+
+def streamed(text: str) -> Reply:
+    events = [{"choices": [{"delta": {"role": "assistant"}}]}]
+    words = text.split(" ")
+    events += [{"choices": [{"delta": {"content": w if i == 0 else " " + w}}]} for i, w in enumerate(words)]
+    return Reply(200, SSE, [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"])
+
+
+def v2_proxy(fake: FakeTransport) -> tuple[Proxy, RoutingFeedback]:
+    proxy = make_proxy(fake)
+    feedback = RoutingFeedback(proxy.registry, PARAMS)
+    proxy.feedback = feedback
+    proxy.observers = (feedback,)
+    return proxy, feedback
+
+
+def chat(messages: list[dict[str, Any]], headers: list[tuple[bytes, bytes]] | None = None) -> RequestContext:
+    body = {"model": "m", "messages": messages, "stream": True}
+    return RequestContext("POST", "/v1/chat/completions", json.dumps(body).encode(), body, "m",
+                          chat_key(body), POLICY, headers or [])  # fmt: skip
+
+
+async def test_twins_sharing_a_head_spread_and_each_follows_its_own_first_reply() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", streamed("from a , one"), streamed("from a , two"))
+    fake.script("http://b", streamed("from b , one"), streamed("from b , two"))
+    proxy, _ = v2_proxy(fake)
+    await run(proxy, x := chat(HEAD))
+    await run(proxy, y := chat(HEAD))
+    assert x.key == y.key and x.backend is not None and y.backend is not None
+    assert {x.backend.id, y.backend.id} == {"a", "b"}  # the second twin did not pile onto the first's engine
+    replies = {c.backend.id: f"from {c.backend.id} , one" for c in (x, y) if c.backend is not None}
+    for first in (x, y):
+        assert first.backend is not None
+        home = first.backend.id
+        follow = chat(
+            [*HEAD, {"role": "assistant", "content": replies[home]}, {"role": "user", "content": "go"}]
+        )
+        await run(proxy, follow)
+        assert follow.backend is not None and follow.backend.id == home
+        assert (follow.reason, follow.key) == (Reason.AFFINITY_HIT, reply_key(first.key, replies[home]))
+        assert isinstance(proxy.store, MemoryAffinityStore)
+        assert proxy.store.table.get(follow.key, 0.0) == home  # claimed: later turns are plain pins
+
+
+async def test_a_session_id_keeps_its_key_on_every_turn() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", streamed("x"), streamed("y"))
+    fake.script("http://b", streamed("x"), streamed("y"))
+    proxy, _ = v2_proxy(fake)
+    ctx = chat([*HEAD, {"role": "assistant", "content": "x"}, {"role": "user", "content": "go"}],
+               headers=[(b"x-session-id", b"s1")])  # fmt: skip
+    key = ctx.key
+    await run(proxy, ctx)
+    assert ctx.key == key
+
+
+async def test_the_prefill_ledger_is_empty_once_requests_are_done() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", streamed("one"), streamed("two"))
+    fake.script("http://b", streamed("one"), streamed("two"))
+    proxy, _ = v2_proxy(fake)
+    for _ in range(2):
+        await run(proxy, chat([{"role": "user", "content": "q" * 4000}]))
+    assert [b.prefilling for b in proxy.registry.backends.values()] == [0, 0]
+
+
+def observation(feedback: RoutingFeedback, **kw: Any) -> Observation:
+    info = RouteInfo(
+        "head", kw.pop("first_turn", False), 40_000, 8000, uncached_tokens=5000, queued_tokens=1000
+    )
+    fields: dict[str, Any] = dict(backend="a", model="m", key="k", reason=Reason.NEW_CHEAPEST,
+                                  outcome=RequestOutcome.OK, status=200, streamed=True, duration_s=3.0,
+                                  first_byte_s=1.0, events=40, body_bytes=4000,
+                                  usage=Usage(10_000, 41, 8000), route=info)  # fmt: skip
+    fields.update(kw)
+    return Observation(**fields)
+
+
+def test_observations_teach_prefill_and_decode_rates_and_the_turn_size() -> None:
+    proxy = make_proxy(FakeTransport())
+    clock = iter(range(100, 200))
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: float(next(clock)))
+    for _ in range(20):
+        feedback.observe(observation(feedback))  # (2000 uncached + 1000 queued) tokens in 1 s: 3000 tok/s
+    a, b = proxy.registry.backends["a"], proxy.registry.backends["b"]
+    assert 3000 <= a.prefill_tps < 3100
+    assert b.prefill_tps == a.prefill_tps  # never measured: the fleet's rate per weight
+    assert feedback.speeds.decode_tps["a"] == pytest.approx(20.0, rel=0.1)  # 40 tokens after the first in 2 s
+    # From 600 towards the 2000 uncached tokens of each follow-up, 5 % a sample.
+    assert feedback.turn_tokens.value == pytest.approx(2000 - 1400 * 0.95**20)
+    assert feedback.chars_per_token.value == pytest.approx(4.0)
+
+
+def test_failed_requests_and_answers_without_usage_teach_no_speed() -> None:
+    proxy = make_proxy(FakeTransport())
+    feedback = RoutingFeedback(proxy.registry, PARAMS)
+    feedback.observe(observation(feedback, outcome=RequestOutcome.HTTP_5XX, first_byte_s=100.0))
+    feedback.observe(observation(feedback, usage=None, first_byte_s=100.0))
+    assert proxy.registry.backends["a"].prefill_tps == DEFAULT_PREFILL_TPS
+
+
+def test_a_first_reply_is_indexed_and_a_holder_that_lost_the_head_is_dropped() -> None:
+    proxy = make_proxy(FakeTransport())
+    feedback = RoutingFeedback(proxy.registry, PARAMS)
+    feedback.holders.add("head", "a")
+    feedback.observe(observation(feedback, first_turn=True, reply="hello"))
+    assert feedback.replies.get(reply_key("head", "hello"), 0.0) == "a"
+    feedback.observe(observation(feedback, usage=Usage(10_000, 41, 16)))  # cached 16 of a 2000-token head
+    assert feedback.holders.get("head") == frozenset()
+
+
+async def test_explain_shows_the_costs_compared_and_changes_nothing() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", streamed("one"))
+    fake.script("http://b", streamed("one"))
+    proxy, feedback = v2_proxy(fake)
+    await run(proxy, first := chat(HEAD))
+    assert first.backend is not None
+    d = feedback.explain(chat(HEAD), None, None, POLICY)
+    assert d.backend is not None and d.reason is Reason.NEW_CHEAPEST
+    assert d.costs[0].backend == d.backend and {c.backend for c in d.costs} == {"a", "b"}
+    assert "uncached tokens" in d.explain()[1]
+    assert [b.prefilling for b in proxy.registry.backends.values()] == [0, 0]
+
+
+async def test_completions_keep_their_pin_under_ttft() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", *[Reply.json({"choices": [{"text": "x"}]}) for _ in range(4)])
+    fake.script("http://b", *[Reply.json({"choices": [{"text": "x"}]}) for _ in range(4)])
+    proxy, _ = v2_proxy(fake)
+    seen = []
+    for i in range(4):
+        body = {"model": "m", "prompt": "The same long document. " * 40 + f"question {i}"}
+        ctx = RequestContext(
+            "POST", "/v1/completions", json.dumps(body).encode(), body, "m", "ck", POLICY, []
+        )
+        await run(proxy, ctx)
+        assert ctx.backend is not None
+        seen.append((ctx.backend.id, ctx.reason))
+    assert len({b for b, _ in seen}) == 1
+    assert [r for _, r in seen] == [Reason.NEW_CHEAPEST] + [Reason.AFFINITY_HIT] * 3
+
+
+def test_a_backend_added_at_runtime_learns_too() -> None:
+    proxy = make_proxy(FakeTransport())
+    feedback = RoutingFeedback(proxy.registry, PARAMS)
+    del feedback.speeds.weights["b"]  # as if "b" had been added after the feedback was built
+    feedback.observe(observation(feedback, backend="b"))
+    assert "b" in feedback.speeds.weights and proxy.registry.backends["b"].prefill_tps != DEFAULT_PREFILL_TPS

@@ -1,0 +1,74 @@
+"""Head holders, request shape and the keys that tell identical heads apart."""
+
+from __future__ import annotations
+
+from routing.holders import HeadHolders
+from routing.keys import REPLY_CHARS, chat_key, first_reply, reply_key, reply_text
+from routing.shape import IMAGE_CHARS, chat_shape
+
+
+def test_holders_collect_backends_per_head_and_drop_one() -> None:
+    h = HeadHolders()
+    h.add("k", "a")
+    h.add("k", "b")
+    h.add("other", "a")
+    assert h.get("k") == {"a", "b"}
+    h.drop("k", "a")
+    assert h.get("k") == {"b"}
+    h.drop("k", "b")
+    assert h.get("k") == frozenset() and len(h) == 1
+    h.drop("missing", "a")
+    h.drop("k", "never-seen")
+
+
+def test_holders_are_bounded_least_recently_recorded_first() -> None:
+    h = HeadHolders(max_entries=2)
+    h.add("k1", "a")
+    h.add("k2", "a")
+    h.add("k1", "b")  # k1 is the most recent now
+    h.add("k3", "a")
+    assert (h.get("k1"), h.get("k2"), h.get("k3")) == ({"a", "b"}, frozenset(), {"a"})
+
+
+def test_shape_counts_head_and_the_tail_since_the_last_reply() -> None:
+    msgs = [
+        {"role": "system", "content": "s" * 100},
+        {"role": "user", "content": "u" * 50},
+        {"role": "assistant", "content": "a" * 20},
+        {"role": "tool", "content": "t" * 30},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "x" * 5}, {"type": "image_url", "image_url": {}}],
+        },
+    ]
+    assert chat_shape(msgs) == (150, 30 + 5 + IMAGE_CHARS, 2)
+    assert chat_shape(msgs[:2]) == (150, 150, 1)
+
+
+def test_shape_counts_tool_call_arguments() -> None:
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}" * 10}}]}, {"role": "tool", "content": "r"}]  # fmt: skip
+    assert chat_shape(msgs) == (1, 1, 2)
+
+
+def test_first_reply_is_the_assistant_message_after_the_first_user_message() -> None:
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "R" * 100}, {"role": "user", "content": "next"},
+            {"role": "assistant", "content": "later"}]  # fmt: skip
+    assert first_reply(msgs) == "R" * REPLY_CHARS
+    assert first_reply(msgs[:2]) is None
+
+
+def test_reply_text_falls_back_to_the_first_tool_calls_arguments() -> None:
+    msg = {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": '{"path": "a"}'}}]}
+    assert reply_text(msg) == '{"path": "a"}'
+    assert reply_text({"role": "assistant", "content": [{"type": "text", "text": "hi"}]}) == "hi"
+
+
+def test_twins_get_distinct_keys_once_their_replies_differ_and_equal_ones_otherwise() -> None:
+    head = chat_key({"model": "m", "messages": [{"role": "user", "content": "task"}]})
+    assert reply_key(head, "first sample") != reply_key(head, "second sample")
+    assert reply_key(head, "same" + "x" * 100) == reply_key(head, "same" + "x" * 100 + "tail differs")
+    assert reply_key(head, "r") != reply_key(
+        chat_key({"model": "m2", "messages": [{"role": "user", "content": "task"}]}), "r"
+    )

@@ -1,0 +1,185 @@
+"""The ttft policy and its cost model, as plain functions of snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from routing.cost import cost, rate, total_s, uncached_tokens
+from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
+from routing.policies import make_policy
+from routing.policies.ttft import TtftPolicy
+from routing.types import BackendState, Candidate, PinAction, Reason, RouteRequest
+
+READY = BackendState.READY
+NOW = 1000.0
+
+
+def cand(
+    id_: str,
+    *,
+    active: int = 0,
+    prefilling: int = 0,
+    tps: float = 1000.0,
+    waiting: int = -1,
+    state: BackendState = READY,
+    weight: float = 1.0,
+) -> Candidate:
+    return Candidate(id_, state, 0, active, weight, prefilling, tps, waiting)
+
+
+def req(**kw: object) -> RouteRequest:
+    fields: dict[str, object] = {"key": "k", "prompt_tokens": 3000, "head_tokens": 2000, "tail_tokens": 300}
+    fields.update(kw)
+    return RouteRequest(**fields)  # type: ignore[arg-type]
+
+
+def policy(**kw: object) -> TtftPolicy:
+    fields: dict[str, object] = {"policy": "ttft", "spill_factor": 2.0, "spill_min_in_flight": 8,
+                                 "repin_on_spill": False}  # fmt: skip
+    fields.update(kw)
+    return TtftPolicy(RoutingParams(**fields))  # type: ignore[arg-type]
+
+
+# -- cost model -------------------------------------------------------------------------------------------
+
+
+def test_cost_is_queue_plus_uncached_plus_active_load_over_rate() -> None:
+    c = cand("a", active=2, prefilling=500, tps=1000.0)
+    got = cost(c, req(turn_tokens=600), load_share=1.0)
+    assert got.uncached_tokens == 3000
+    assert (got.queue_s, got.prefill_s, got.load_s) == (0.5, 3.0, 1.2)
+    assert got.total_s == pytest.approx(4.7)
+    assert total_s(c, req(turn_tokens=600), 1.0) == got.total_s
+
+
+def test_pinned_backend_reads_only_the_tail_a_head_holder_the_rest_after_the_head() -> None:
+    r = req(pinned="p", holders=frozenset({"h"}))
+    assert uncached_tokens(cand("p"), r) == 300
+    assert uncached_tokens(cand("h"), r) == 1000
+    assert uncached_tokens(cand("x"), r) == 3000
+
+
+def test_the_twin_hint_holds_the_history_like_a_pin() -> None:
+    assert uncached_tokens(cand("t"), req(hint="t")) == 300
+
+
+def test_engine_reported_queue_counts_when_larger_than_our_own() -> None:
+    r = req(turn_tokens=600)
+    assert cost(cand("a", waiting=3, prefilling=100), r, 1.0).queue_s == pytest.approx(1.8)
+    assert cost(cand("a", waiting=0, prefilling=100), r, 1.0).queue_s == pytest.approx(0.1)
+    assert cost(cand("a", waiting=-1, prefilling=100), r, 1.0).queue_s == pytest.approx(0.1)
+
+
+def test_unknown_rate_is_the_weight_times_the_default() -> None:
+    assert rate(cand("a", tps=0.0, weight=2.0)) == 2 * DEFAULT_PREFILL_TPS
+
+
+# -- decisions --------------------------------------------------------------------------------------------
+
+
+def test_new_conversation_goes_to_the_cheapest_and_claims() -> None:
+    d = policy().select([cand("a", active=3), cand("b", active=1), cand("c", active=2)], req(), NOW)
+    assert (d.backend, d.reason, d.pin, d.uncached_tokens) == (
+        "b",
+        Reason.NEW_CHEAPEST,
+        PinAction.CLAIM,
+        3000,
+    )
+
+
+def test_idle_pins_are_not_load_only_active_conversations_are() -> None:
+    # conversations = active ones (the gateway's snapshot); the empty newcomer is not flooded because the
+    # others' *active* count is what it is compared with, and one more conversation there makes it equal.
+    p = policy()
+    cands = [cand("old", active=1), cand("new", active=0)]
+    assert p.select(cands, req(), NOW).backend == "new"
+    cands = [cand("old", active=1), cand("new", active=2)]
+    assert p.select(cands, req(), NOW).backend == "old"
+
+
+def test_faster_engine_wins_a_cold_prompt() -> None:
+    d = policy().select([cand("slow", tps=1000.0), cand("fast", tps=4000.0)], req(), NOW)
+    assert d.backend == "fast"
+
+
+def test_head_holder_beats_an_idle_cold_engine_while_its_queue_is_short() -> None:
+    r = req(holders=frozenset({"h"}))
+    assert policy().select([cand("h", active=1), cand("x")], r, NOW).backend == "h"
+
+
+def test_twins_spread_when_the_head_holder_is_busy_prefilling() -> None:
+    # A twin of a head being prefilled on "h" waits for it there (2000 tokens queued) plus its load.
+    r = req(prompt_tokens=2000, head_tokens=2000, tail_tokens=2000, holders=frozenset({"h"}))
+    d = policy().select([cand("h", active=1, prefilling=2000), cand("x")], r, NOW)
+    assert (d.backend, d.reason) == ("x", Reason.NEW_CHEAPEST)
+
+
+def test_pinned_stays_while_not_much_dearer() -> None:
+    d = policy().select([cand("p", active=2), cand("x")], req(pinned="p"), NOW)
+    assert (d.backend, d.reason, d.pin, d.uncached_tokens) == ("p", Reason.AFFINITY_HIT, PinAction.TOUCH, 300)
+
+
+def test_twin_hint_stays_and_claims_the_extended_key() -> None:
+    d = policy().select([cand("t"), cand("x")], req(hint="t"), NOW)
+    assert (d.backend, d.reason, d.pin) == ("t", Reason.AFFINITY_HIT, PinAction.CLAIM)
+
+
+def test_transient_queue_spills_one_turn_and_keeps_the_pin() -> None:
+    # The pin's own cost (300 tokens, no load) beats a cold prefill elsewhere; only its queue does not.
+    d = policy().select([cand("p", prefilling=20_000), cand("x")], req(pinned="p"), NOW)
+    assert (d.backend, d.reason, d.pin) == ("x", Reason.SPILL_OVERLOAD, PinAction.NONE)
+
+
+def test_many_active_conversations_without_a_queue_now_do_not_move_the_pin() -> None:
+    # This turn is fastest at home; the load term places new conversations, it moves no pin.
+    d = policy().select([cand("p", active=20), cand("x")], req(pinned="p"), NOW)
+    assert (d.backend, d.reason) == ("p", Reason.AFFINITY_HIT)
+
+
+def test_structural_overload_moves_the_pin() -> None:
+    cands = [cand("p", active=20, prefilling=20_000), cand("x")]
+    d = policy().select(cands, req(pinned="p", turn_tokens=600), NOW)
+    assert (d.backend, d.reason, d.pin, d.uncached_tokens) == ("x", Reason.MOVE_CHEAPER, PinAction.MOVE, 3000)
+
+
+def test_moving_a_twin_hint_claims_instead_of_moving() -> None:
+    d = policy().select([cand("t", active=20, prefilling=20_000), cand("x")], req(hint="t"), NOW)
+    assert (d.reason, d.pin) == (Reason.MOVE_CHEAPER, PinAction.CLAIM)
+
+
+def test_pinned_down_repins_to_the_cheapest() -> None:
+    cands = [cand("p", state=BackendState.DOWN), cand("x", active=1), cand("y")]
+    d = policy().select(cands, req(pinned="p"), NOW)
+    assert (d.backend, d.reason, d.pin) == ("y", Reason.REPIN_UNHEALTHY, PinAction.MOVE)
+
+
+def test_pinned_removed_repins() -> None:
+    d = policy().select([cand("x")], req(pinned="gone"), NOW)
+    assert (d.backend, d.reason, d.pin) == ("x", Reason.REPIN_REMOVED, PinAction.MOVE)
+
+
+def test_retry_skips_the_failed_and_moves_the_pin_off_it() -> None:
+    d = policy().select([cand("p"), cand("x")], req(pinned="p", exclude=frozenset({"p"})), NOW)
+    assert (d.backend, d.reason, d.pin) == ("x", Reason.RETRY_NEXT, PinAction.MOVE)
+    d = policy().select([cand("p"), cand("x")], req(pinned="p", exclude=frozenset({"x"})), NOW)
+    assert (d.backend, d.reason, d.pin) == ("p", Reason.RETRY_NEXT, PinAction.NONE)
+
+
+def test_nothing_routable_is_no_backend() -> None:
+    d = policy().select([cand("a", state=BackendState.DRAINING)], req(), NOW)
+    assert (d.backend, d.reason) == (None, Reason.NO_BACKEND)
+
+
+def test_explain_lists_every_cost_cheapest_first_and_only_when_asked() -> None:
+    cands = [cand("a", active=3), cand("b")]
+    assert policy().select(cands, req(), NOW).costs == ()
+    d = policy().select(cands, req(explain=True), NOW)
+    assert [c.backend for c in d.costs] == ["b", "a"]
+    assert d.costs[0].total_s == pytest.approx(3.0)
+    assert d.explain()[0] == "-> b (new_cheapest, pin claim)"
+    assert d.explain()[1].startswith("b: 3000 ms = queue 0 + prefill 3000 (3000 uncached tokens) + load 0")
+
+
+def test_ttft_is_in_the_policy_table() -> None:
+    p = make_policy(RoutingParams("ttft", 2.0, 8, False))
+    assert isinstance(p, TtftPolicy) and p.uses_affinity

@@ -1,0 +1,76 @@
+"""Properties of the ttft policy over generated snapshots (hypothesis)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routing.params import RoutingParams
+from routing.policies.ttft import TtftPolicy
+from routing.types import BackendState, Candidate, RouteRequest
+
+IDS = ["a", "b", "c", "d", "e"]
+
+candidates = st.lists(
+    st.builds(
+        Candidate,
+        id=st.sampled_from(IDS),
+        state=st.sampled_from(list(BackendState)),
+        in_flight=st.integers(0, 50),
+        conversations=st.integers(0, 200),
+        weight=st.floats(0.1, 8.0),
+        prefilling=st.integers(0, 100_000),
+        prefill_tps=st.one_of(st.just(0.0), st.floats(10.0, 1e5)),
+        waiting=st.integers(-1, 40),
+    ),
+    max_size=5,
+    unique_by=lambda c: c.id,
+)
+backend = st.one_of(st.none(), st.sampled_from([*IDS, "gone"]))
+requests = st.builds(
+    RouteRequest,
+    key=st.text(max_size=8),
+    pinned=backend,
+    exclude=st.frozensets(st.sampled_from(IDS), max_size=3),
+    prompt_tokens=st.integers(0, 200_000),
+    head_tokens=st.integers(0, 100_000),
+    tail_tokens=st.integers(0, 20_000),
+    turn_tokens=st.integers(0, 5000),
+    holders=st.frozensets(st.sampled_from(IDS), max_size=5),
+    hint=backend,
+)
+POLICY = TtftPolicy(RoutingParams("ttft", 2.0, 8, False))
+
+
+@settings(max_examples=400, deadline=None)
+@given(candidates, requests)
+def test_never_picks_a_backend_that_is_not_routable_or_excluded(
+    cands: list[Candidate], r: RouteRequest
+) -> None:
+    d = POLICY.select(cands, r, 0.0)
+    ok = {c.id for c in cands if c.state is BackendState.READY and c.id not in r.exclude}
+    if ok:
+        assert d.backend in ok
+    else:
+        assert d.backend is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(candidates, requests)
+def test_equal_inputs_give_equal_decisions_on_every_replica(cands: list[Candidate], r: RouteRequest) -> None:
+    other_replica = TtftPolicy(RoutingParams("ttft", 2.0, 8, False))
+    assert POLICY.select(cands, r, 0.0) == other_replica.select(list(cands), r, 5.0)
+    assert POLICY.select(cands, r, 0.0) == POLICY.select(cands, r, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates, requests)
+def test_explained_costs_rank_the_chosen_new_conversation_first(
+    cands: list[Candidate], r: RouteRequest
+) -> None:
+    r = RouteRequest(r.key, None, r.exclude, r.prompt_tokens, r.head_tokens, r.tail_tokens, r.turn_tokens,
+                     r.holders, None, explain=True)  # fmt: skip
+    d = POLICY.select(cands, r, 0.0)
+    if d.backend is not None:
+        assert d.costs[0].backend == d.backend
+        assert [c.total_s for c in d.costs] == sorted(c.total_s for c in d.costs)

@@ -1,0 +1,394 @@
+"""``warmroute bench --scenario NAME``: routing v2's scenarios on simulated engines, against their targets.
+
+Every scenario starts its own simulated engines (serial prefill: a queue is real there), then runs each
+variant (a policy, optionally given the engines' true speeds as weights; ``oracle`` sends conversation i
+straight to engine i mod K) for a few rounds, order rotating, caches reset between runs. Numbers are
+medians over rounds; ratios compare variants of the same round set on the same machine.
+
+- ``identical-2x16`` / ``identical-8x4``: groups of conversations sharing system prompt *and* first user
+  message; each later turn adds ~600 tokens.
+- ``fleet``: one shared system prompt, own task; ``distinct``: own system prompts.
+- ``hetero``: engines with prefill/decode speeds 1:1:2:4; no weights vs the true ones.
+- ``join``: the last engine is down at the start and comes back empty a third of the way in.
+- ``slow``: the first engine slows 4x a third of the way in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import yaml
+
+from tools import procs
+from tools.bench_report import TurnRecord
+from tools.bench_run import Plan, Tally, Target, play
+from tools.launch import Child, Engine, Launcher, SimProfile
+from tools.procs import LOCALHOST, free_port
+from tools.workload import WorkloadSpec, build, total_requests
+
+MODEL = "sim-model"
+JOIN_WINDOW_S = 60.0  # "the following minute", in unscaled time
+SLOW_WINDOW_S = 30.0
+EVENT_AT_S = float(os.environ.get("WARMROUTE_BENCH_EVENT_AT_S", "8"))  # the join or slow-down (unscaled s)
+ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
+VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
+gateways_started: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    spec: WorkloadSpec
+    variants: tuple[str, ...] = ("affinity", "ttft", "oracle")
+    speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+    event: str | None = None  # "join" | "slow"
+    target: str = ""
+
+
+_BASE = WorkloadSpec(
+    conversations=32,
+    turns=4,
+    system_tokens=1000,
+    context_tokens=1500,
+    user_tokens=600,
+    max_tokens=32,
+    hot_fraction=0.0,
+    think_ms=300.0,
+    system_prompts=1,
+)
+SCENARIOS: dict[str, Scenario] = {
+    "identical-2x16": Scenario(
+        replace(_BASE, group_size=16),
+        target="follow-up TTFT <= 1.10x oracle; load max/mean <= 1.2; turn-1 p95 <= 1.1x oracle",
+    ),
+    "identical-8x4": Scenario(replace(_BASE, group_size=4), target="follow-up TTFT <= 1.05x oracle"),
+    "fleet": Scenario(_BASE, target="<= 1.05x oracle, 0 cold follow-ups"),
+    "distinct": Scenario(replace(_BASE, system_prompts=32), target="<= 1.05x oracle, 0 cold follow-ups"),
+    "hetero": Scenario(
+        replace(_BASE, system_prompts=32),
+        ("ttft", "ttft+weights", "affinity", "affinity+weights"),
+        speeds=(1.0, 1.0, 2.0, 4.0),
+        target="mean TTFT (ttft, no weights) <= 1.10x ttft+weights",
+    ),
+    "join": Scenario(
+        replace(_BASE, conversations=192, system_prompts=192),
+        ("affinity", "ttft"),
+        event="join",
+        target="joined engine <= 1.5x its fair share of new conversations in the next minute; "
+        "0 cold follow-ups",
+    ),
+    "slow": Scenario(
+        replace(_BASE, conversations=192, system_prompts=192),
+        ("affinity", "ttft"),
+        event="slow",
+        target="slowed engine's share of new conversations falls within 30 s",
+    ),
+}
+
+
+# -- processes ----------------------------------------------------------------------------------------------
+
+
+def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[Engine]:
+    started = []
+    for index, speed in enumerate(sc.speeds, 1):
+        name, port = f"engine-{index}", free_port()
+        p = replace(profile, prefill_tps=profile.prefill_tps * speed, decode_tps=profile.decode_tps * speed)
+        argv = launch_python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", MODEL)
+        argv += [*p.argv(), "--prefill-serial", "--seed", str(index), "--log-level", "warning"]
+        started.append(launch._spawn(name, port, argv))
+    for child in started:
+        launch._wait(child, "/health", _ok)
+    return [Engine(c.name, c.url) for c in started]
+
+
+def launch_python(*args: str) -> list[str]:
+    return procs.python(*args)
+
+
+def _ok(response: httpx.Response) -> bool:
+    return response.status_code == 200
+
+
+def start_gateway(
+    launch: Launcher,
+    engines: Sequence[Engine],
+    policy: str,
+    weights: Sequence[float] | None,
+    time_scale: float,
+    name: str,
+    overrides: dict[str, Any] | None = None,
+) -> Child:
+    port = free_port()
+    backends = [
+        {"id": e.id, "url": e.url, "models": [MODEL], **({"weight": w} if weights else {})}
+        for e, w in zip(engines, weights or [1.0] * len(engines), strict=True)
+    ]
+    routing = {"policy": policy, "active_window_s": 10.0 * time_scale, "speed_half_life_s": 15.0 * time_scale}
+    routing.update(ROUTING_OVERRIDES)
+    routing.update(overrides or {})
+    config = {
+        "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
+        "backends": backends,
+        "routing": routing,
+        "health": {"interval_s": 1, "timeout_s": 2, "fail_threshold": 2},
+        "redis": {"url": None},
+    }
+    path = launch.workdir / f"{name}.yaml"
+    path.write_text(json.dumps(config))
+    child = launch._spawn(name, port, launch_python("-m", "gateway.cli", "serve", "--config", str(path)))
+    launch._wait(child, "/readyz", lambda r: r.status_code in (200, 503))
+    return child
+
+
+async def _backend_state(client: httpx.AsyncClient, gateway: Child, backend: str) -> str | None:
+    try:
+        doc = (await client.get(f"{gateway.url}/readyz")).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    state = doc.get("backends", {}).get(backend, {}).get("state")
+    return str(state) if state is not None else None
+
+
+async def _until_state(client: httpx.AsyncClient, gateway: Child, backend: str, wanted: set[str]) -> None:
+    for _ in range(200):
+        if await _backend_state(client, gateway, backend) in wanted:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{backend} never reached {wanted}")
+
+
+async def _faults(client: httpx.AsyncClient, engine: Engine, **patch: Any) -> None:
+    (await client.post(f"{engine.url}/sim/faults", json=patch)).raise_for_status()
+
+
+# -- one run ------------------------------------------------------------------------------------------------
+
+
+async def run_variant(
+    client: httpx.AsyncClient,
+    launch: Launcher,
+    engines: list[Engine],
+    sc: Scenario,
+    variant: str,
+    round_: int,
+    time_scale: float,
+) -> dict[str, Any]:
+    # "policy[+weights][@key=value;key=value]": the extra routing settings make variants of one policy.
+    name, _, settings = variant.partition("@")
+    policy, _, extra = name.partition("+")
+    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
+    for e in engines:
+        await client.delete(f"{e.url}/sim/faults")
+        (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
+    gateway = None
+    if policy == "oracle":
+        target = Target(tuple(e.url for e in engines), tuple(e.id for e in engines))
+    else:
+        gateway = start_gateway(
+            launch,
+            engines,
+            policy,
+            sc.speeds if extra == "weights" else None,
+            time_scale,
+            f"gw-{round_}-{len(gateways_started)}",
+            overrides,
+        )
+        gateways_started.append(variant)
+        await _until_state(client, gateway, engines[-1].id, {"ready"})
+        target = Target((gateway.url,))
+    try:
+        spec = replace(sc.spec, think_ms=sc.spec.think_ms * time_scale)
+        plan = Plan(spec, tuple(engines), MODEL, 16, {}, {}, None, 3600.0, seeded=True)
+        conversations = build(spec)
+        if sc.event == "join" and gateway is not None:
+            await _faults(client, engines[-1], health_fail=True)
+            await _until_state(client, gateway, engines[-1].id, {"down"})
+        t0 = time.monotonic()
+        event = asyncio.create_task(_event(client, sc, engines, gateway, time_scale))
+        records = await play(
+            client, target, conversations, plan, (variant, round_), Tally(total_requests(conversations))
+        )
+        event_at = await event if event.done() else None
+        event.cancel()
+        wall = time.monotonic() - t0
+        reasons = await _reasons(client, gateway) if gateway is not None else {}
+    finally:
+        if gateway is not None:
+            launch.stop(gateway)
+    return {**summarize(records, engines, sc, event_at, wall, time_scale), "reasons": reasons}
+
+
+async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:
+    """The gateway's routing decisions by reason (non-zero ones)."""
+    text = (await client.get(f"{gateway.url}/metrics")).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("warmroute_routing_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            if (n := int(float(line.rsplit(" ", 1)[1]))) > 0:
+                out[reason] = n
+    return out
+
+
+async def _event(
+    client: httpx.AsyncClient, sc: Scenario, engines: list[Engine], gateway: Child | None, time_scale: float
+) -> float | None:
+    if sc.event is None:
+        return None
+    t0 = time.monotonic()
+    await asyncio.sleep(EVENT_AT_S * time_scale)
+    if sc.event == "slow":
+        await _faults(client, engines[0], slow_factor=4.0)
+    elif sc.event == "join":
+        (await client.post(f"{engines[-1].url}/reset_prefix_cache")).raise_for_status()
+        await _faults(client, engines[-1], health_fail=False)
+        if gateway is not None:
+            await _until_state(client, gateway, engines[-1].id, {"ready"})
+    return time.monotonic() - t0
+
+
+def summarize(
+    records: Sequence[TurnRecord],
+    engines: Sequence[Engine],
+    sc: Scenario,
+    event_at: float | None,
+    wall: float,
+    time_scale: float,
+) -> dict[str, Any]:
+    ok = [r for r in records if r.result.error is None and r.result.ttft_s is not None]
+    ttft = [r.result.ttft_s for r in ok if r.result.ttft_s is not None]
+    first = sorted(r.result.ttft_s for r in ok if r.turn == 1 and r.result.ttft_s is not None)
+    follow = [r.result.ttft_s for r in ok if r.turn > 1 and r.result.ttft_s is not None]
+    per_engine = Counter(r.result.backend for r in ok)
+    counts = [per_engine.get(e.id, 0) for e in engines]
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "wall_s": wall,
+        "ttft_mean_ms": 1000 * statistics.fmean(ttft) if ttft else None,
+        "followup_ttft_mean_ms": 1000 * statistics.fmean(follow) if follow else None,
+        "turn1_p95_ms": 1000 * first[max(0, round(0.95 * len(first)) - 1)] if first else None,
+        "load_max_mean": max(counts) / statistics.fmean(counts) if any(counts) else None,
+        "split": counts,
+        "cold_followups": sum(1 for r in ok if r.warm is False),
+        # prefill work the engines did (usage: prompt - cached), thousands of tokens
+        "uncached_ktok": sum((r.result.prompt_tokens or 0) - (r.result.cached_tokens or 0) for r in ok)
+        / 1000,
+    }
+    if event_at is not None:
+        out.update(_event_shares(ok, engines, sc, event_at, time_scale))
+    return out
+
+
+def _event_shares(
+    ok: Sequence[TurnRecord], engines: Sequence[Engine], sc: Scenario, at: float, time_scale: float
+) -> dict[str, Any]:
+    firsts = [(r.started_s, r.result.backend) for r in ok if r.turn == 1]
+    if sc.event == "join":
+        who, window = engines[-1].id, JOIN_WINDOW_S * time_scale
+        after = [b for t, b in firsts if at <= t < at + window]
+        joined = _share(after, who)
+        return {
+            "new_after": len(after),
+            "joined_share": joined,
+            "joined_vs_fair": joined * len(engines) if joined is not None else None,
+        }
+    who, window = engines[0].id, SLOW_WINDOW_S * time_scale
+    before = [b for t, b in firsts if t < at]
+    later = [b for t, b in firsts if t >= at + window]
+    during = [b for t, b in firsts if at <= t < at + window]
+    return {
+        "slowed_share_before": _share(before, who),
+        "slowed_share_first_30s": _share(during, who),
+        "slowed_share_after_30s": _share(later, who),
+        "new_after_30s": len(later),
+    }
+
+
+def _share(backends: list[str | None], who: str) -> float | None:
+    return sum(1 for b in backends if b == who) / len(backends) if backends else None
+
+
+# -- all runs -----------------------------------------------------------------------------------------------
+
+
+async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimProfile) -> dict[str, Any]:
+    sc = SCENARIOS[name]
+    if VARIANTS:
+        sc = replace(sc, variants=tuple(VARIANTS))
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in sc.variants}
+    with Launcher(f"warmroute-{name}-") as launch:
+        engines = start_engines(launch, sc, profile)
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
+            for round_ in range(1, rounds + 1):
+                shift = (round_ - 1) % len(sc.variants)
+                for variant in [*sc.variants[shift:], *sc.variants[:shift]]:
+                    result = await run_variant(client, launch, engines, sc, variant, round_, time_scale)
+                    print(f"  {name} {variant} round {round_}: {_brief(result)}", flush=True)
+                    runs[variant].append(result)
+    return {
+        "scenario": name,
+        "target": sc.target,
+        "rounds": rounds,
+        "time_scale": time_scale,
+        "spec": str(sc.spec),
+        "runs": runs,
+        "medians": {v: _medians(rs) for v, rs in runs.items()},
+    }
+
+
+def _brief(result: dict[str, Any]) -> str:
+    keys = (
+        "ttft_mean_ms",
+        "followup_ttft_mean_ms",
+        "turn1_p95_ms",
+        "load_max_mean",
+        "cold_followups",
+        "uncached_ktok",
+        "joined_vs_fair",
+        "slowed_share_before",
+        "slowed_share_after_30s",
+        "split",
+        "reasons",
+        "errors",
+    )
+    return ", ".join(f"{k}={_fmt(result[k])}" for k in keys if k in result)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _medians(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if isinstance(value, (int, float)) and values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def main(names: Sequence[str], rounds: int, time_scale: float, profile: SimProfile, out: str | None) -> int:
+    results = []
+    for name in names:
+        if name not in SCENARIOS:
+            raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+        print(f"== scenario {name} ({rounds} rounds, time scale {time_scale}) ==", flush=True)
+        result = asyncio.run(run_scenario(name, rounds, time_scale, profile))
+        results.append(result)
+        for variant, med in result["medians"].items():
+            print(f"  median {variant}: {_brief(med)}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
