@@ -52,7 +52,9 @@ class Usage:
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, when the engine reports it
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs twice as much (object.__setattr__ per field), and one is
+# built per request. Observers treat it as read-only.
+@dataclass(slots=True)
 class Observation:
     backend: str
     model: str | None
