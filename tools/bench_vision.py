@@ -169,6 +169,19 @@ def cached_repeats(settings: Any, encoder: Any, encoded: Any, png: bytes, repeat
     return {"median": round(statistics.median(times), 2), "max": round(max(times), 2), "repeats": repeats}
 
 
+def report(r: dict[str, Any]) -> str:
+    cached = r["cached_ms"]
+    return (
+        f"vision tower qwen3_5 (depth 27, hidden 1152, out 2048); {r['threads']} threads, {r['dtype']}, "
+        f"attn {r['attn']}, compile {r['compile']}\n"
+        f"  image {r['image']}: {r['megapixels']:.3f} MP, {r['tokens']} tokens, {r['tflop']} TFLOP\n"
+        f"  encode s/round {r['seconds']} (warm-up {r['warmup_s']} s; preprocess {r['preprocess_ms']} ms; "
+        f"process CPU s {r['cpu_seconds']})\n"
+        f"  => {r['s_per_mp']} s/MP ({r['gflops']} GFLOP/s), median of {len(r['seconds'])}\n"
+        f"  cached repeat: median {cached['median']} ms, max {cached['max']} ms over {cached['repeats']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench_vision", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -182,16 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result = run(args)
-    print(
-        f"vision tower qwen3_5 (depth 27, hidden 1152, out 2048), {result['threads']} threads, {result['dtype']}, "
-        f"attn {result['attn']}, compile {result['compile']}: image {result['image']} ({result['megapixels']:.3f} MP, {result['tokens']} tokens, "
-        f"{result['tflop']} TFLOP)\n"
-        f"  encode s/round {result['seconds']} (preprocess {result['preprocess_ms']} ms) -> "
-        f"{result['s_per_mp']} s/MP, {result['gflops']} GFLOP/s (median of {len(result['seconds'])}); "
-        f"process CPU s/round {result['cpu_seconds']}\n"
-        f"  cached repeat: median {result['cached_ms']['median']} ms, max {result['cached_ms']['max']} ms "
-        f"over {result['cached_ms']['repeats']}"
-    )
+    print(report(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
