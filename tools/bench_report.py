@@ -219,7 +219,8 @@ Row = tuple[str, str, Callable[[Any], str]]
 
 
 def _f(fmt: str) -> Callable[[Any], str]:
-    return lambda v: "n/a" if v is None else format(v, fmt)
+    # A median of counts can be a float (x.5); "d" would refuse it.
+    return lambda v: "n/a" if v is None else format(round(v) if fmt == "d" else v, fmt)
 
 
 def _pct(v: Any) -> str:
