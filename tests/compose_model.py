@@ -146,7 +146,7 @@ def settings_field(env_name: str) -> bool:
 
 
 def load_gateway_config(path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
-    """The service's config file and environment through the gateway's loader, as `warmroute serve` reads them."""
+    """The service's config file and environment through the gateway's loader, as `warmroute serve` does."""
     for key in [k for k in os.environ if k.startswith("WARMROUTE_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():

@@ -239,7 +239,9 @@ def test_vision_sidecar_service_runs_with_real_settings_and_fits_the_gateways(
     for key, value in service.get("environment", {}).items():
         assert key.removeprefix("WARMROUTE_VISION_").lower() in VisionSettings.model_fields, key
         monkeypatch.setenv(key, str(value))
-    settings = VisionSettings(**sidecar_argv([str(a) for a in service["command"]]))  # argparse: exits on an unknown flag
+    settings = VisionSettings(
+        **sidecar_argv([str(a) for a in service["command"]])
+    )  # argparse: exits on an unknown flag
     assert (settings.host, settings.port) == ("0.0.0.0", listen_port("vision", service))
     assert float(service["deploy"]["resources"]["limits"]["cpus"]) == settings.threads
     senders = []

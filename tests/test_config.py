@@ -35,9 +35,7 @@ def _models(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
-def _field_names(
-    model: type[BaseModel], seen: set[type[BaseModel]], owned: set[type[BaseModel]]
-) -> set[str]:
+def _field_names(model: type[BaseModel], seen: set[type[BaseModel]], owned: set[type[BaseModel]]) -> set[str]:
     """Field names of ``model`` and the models nested in it that are neither ``seen`` (which grows) nor
     ``owned`` by a section of their own."""
     seen.add(model)

@@ -259,7 +259,9 @@ def _subclasses(cls: type[sidecar_errors.VisionError]) -> Iterator[type[sidecar_
 
 def test_sidecar_refusal_table_is_the_sidecars_4xx_codes() -> None:
     """What a client can get back for an image: every 4xx the sidecar has, with its status."""
-    (body,) = [b for header, b in tables(section("Images and the vision sidecar")) if header[0] == "sidecar code"]
+    (body,) = [
+        b for header, b in tables(section("Images and the vision sidecar")) if header[0] == "sidecar code"
+    ]
     table = {ticked(cells[0])[0]: int(cells[1]) for cells in body}
     codes = {e.code: e.status for e in _subclasses(sidecar_errors.VisionError) if 400 <= e.status < 500}
     assert table == codes
