@@ -1,10 +1,7 @@
 """docker-compose.yml read as `docker compose` would (.env.example as the .env), and the gateway's settings
 schema it must agree with. Shared by tests/test_compose.py (static checks) and tests/test_compose_stack.py
-(the "sim" profile as local processes).
-
-Parts of the vision sidecar's issue not on main yet (its settings fields) are listed in ``PENDING_FIELDS``:
-a missing one is set aside with a ``PendingWarning`` naming its issue; once it exists it is checked like the
-rest.
+(the "sim" profile as local processes). Every field the stack uses exists now (the vision sidecar's
+``sidecar`` and ``backends[].vision`` included), so every config file is loaded exactly as the gateway does.
 """
 
 from __future__ import annotations
@@ -12,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from config.settings import BackendConfig, Settings, load_settings
+from config.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -27,27 +23,6 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILES = {"gateway": ROOT / "Dockerfile", "vision": ROOT / "Dockerfile.vision"}
 COMPOSE_DIR = ROOT / "config" / "compose"
 GATEWAY_CONFIG = "/etc/warmroute/gateway.yaml"
-
-#: Settings paths this stack uses before their issue lands (the admin plane, auth and Grafana have landed).
-PENDING_FIELDS = {
-    ("sidecar",): "issue 14 (vision in the gateway: sidecar.url)",
-    ("backends", "vision"): "issue 14 (vision in the gateway: backends[].vision)",
-}
-
-
-class PendingWarning(UserWarning):
-    """Something the stack uses that another issue adds; set aside on this branch."""
-
-
-_WARNED: set[str] = set()
-
-
-def pending(message: str) -> None:
-    """Warn once per message that something is set aside until its issue lands."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, PendingWarning, stacklevel=2)
-
 
 # -- reading the compose file as `docker compose` would -----------------------------------------------------
 
@@ -155,48 +130,28 @@ def listen_port(name: str, service: dict[str, Any]) -> int:
 # -- the gateway's settings schema -------------------------------------------------------------------------
 
 
-def strip_pending(data: dict[str, Any]) -> list[str]:
-    """Remove the pending fields this branch's schema lacks from a config mapping; say which."""
-    gone = []
-    for path, why in PENDING_FIELDS.items():
-        if len(path) == 1 and path[0] in data and path[0] not in Settings.model_fields:
-            del data[path[0]]
-            gone.append(f"{path[0]}: {why}")
-        elif path[0] == "backends" and path[1] not in BackendConfig.model_fields:
-            for backend in data.get("backends", []):
-                if backend.pop(path[1], None) is not None:
-                    gone.append(f"backends[{backend['id']}].{path[1]}: {why}")
-    return gone
-
-
-def settings_field(env_name: str) -> tuple[bool, str | None]:
-    """(does ``WARMROUTE_A__B`` name a settings field, the pending reason if it names a pending one)."""
+def settings_field(env_name: str) -> bool:
+    """Does ``WARMROUTE_A__B`` name a settings field?"""
     path = tuple(env_name.removeprefix("WARMROUTE_").lower().split("__"))
     model: Any = Settings
-    for depth, part in enumerate(path):
+    for part in path:
         fields = getattr(model, "model_fields", None)
         if fields is None or part not in fields:
-            return False, PENDING_FIELDS.get(path[: depth + 1])
+            return False
         annotation = fields[part].annotation
         model = next(
             (a for a in getattr(annotation, "__args__", ()) if hasattr(a, "model_fields")), annotation
         )
-    return True, None
+    return True
 
 
 def load_gateway_config(path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
-    """The service's config file and environment through the gateway's loader (pending parts set aside)."""
+    """The service's config file and environment through the gateway's loader, as `warmroute serve` does."""
     for key in [k for k in os.environ if k.startswith("WARMROUTE_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    data = yaml.safe_load(path.read_text())
-    gone = strip_pending(data)
-    if not gone:
-        return load_settings(path)  # exactly what `warmroute serve --config` does with it
-    for what in gone:
-        pending(f"{path.name}: not validated yet: {what}")
-    return load_settings(None, **data)
+    return load_settings(path)
 
 
 # -- Dockerfiles ---------------------------------------------------------------------------------------------

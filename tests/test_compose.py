@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from config.settings import VisionMode
 from gateway.auth import AdminAccess
+from sidecars.vision.__main__ import parse as sidecar_argv
+from sidecars.vision.settings import VisionSettings
 
 from compose_model import (
     COMPOSE_DIR,
@@ -34,7 +37,6 @@ from compose_model import (
     hostnames,
     listen_port,
     load_gateway_config,
-    pending,
     read_env_file,
     services,
     settings_field,
@@ -107,11 +109,7 @@ def test_gateway_environment_names_real_settings_fields() -> None:
     for name, service in gateway_services(compose()).items():
         for key in service["environment"]:
             assert key.startswith("WARMROUTE_"), f"{name}: {key} is not a gateway setting"
-            exists, why = settings_field(key)
-            if not exists and why is not None:
-                pending(f"{key} is not a settings field yet: {why}")
-                continue
-            assert exists, f"{name}: {key} names no settings field"
+            assert settings_field(key), f"{name}: {key} names no settings field"
 
 
 def test_ports_and_addresses_agree_across_the_stack() -> None:
@@ -227,6 +225,36 @@ def test_engines_have_the_flags_the_design_needs() -> None:
     assert gpus[0] != gpus[1], "two engines on one GPU"
     sidecar = services(model)["vision"]
     assert flag(sidecar["command"], "--checkpoint") == flag(services(model)["engine-b"]["command"], "--model")
+
+
+def test_vision_sidecar_service_runs_with_real_settings_and_fits_the_gateways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sidecar's command is its own CLI and its environment its own settings (WARMROUTE_VISION_*);
+    the gateways that send it images point at it, and all their encodes at once fit its queue."""
+    model = compose()
+    service = services(model)["vision"]
+    for key in [k for k in os.environ if k.startswith("WARMROUTE_VISION_")]:
+        monkeypatch.delenv(key)
+    for key, value in service.get("environment", {}).items():
+        assert key.removeprefix("WARMROUTE_VISION_").lower() in VisionSettings.model_fields, key
+        monkeypatch.setenv(key, str(value))
+    settings = VisionSettings(
+        **sidecar_argv([str(a) for a in service["command"]])
+    )  # argparse: exits on an unknown flag
+    assert (settings.host, settings.port) == ("0.0.0.0", listen_port("vision", service))
+    assert float(service["deploy"]["resources"]["limits"]["cpus"]) == settings.threads
+    senders = []
+    for name, gateway in gateway_services(model).items():
+        cfg = load_gateway_config(bind_mounts(gateway)[GATEWAY_CONFIG], gateway["environment"], monkeypatch)
+        if any(b.vision is VisionMode.EMBEDS for b in cfg.backends):
+            assert cfg.sidecar is not None, name
+            assert cfg.sidecar.url == f"http://vision:{settings.port}", name
+            assert cfg.sidecar.managed is None, f"{name}: the stack's sidecar is a service, not a child"
+            senders.append(cfg.sidecar.max_parallel)
+    assert senders, "no gateway sends images to the sidecar"
+    # One encode runs, queue_size wait; more is 503 queue_full, which a gateway's own limit should prevent.
+    assert sum(senders) <= 1 + settings.queue_size, (senders, settings.queue_size)
 
 
 def test_secrets_only_through_the_environment() -> None:

@@ -32,8 +32,10 @@ import httpx
 import pytest
 import redis
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics import OnDemandMetrics
 from tools import procs
 from tools.redis_server import find_binary
 
@@ -392,6 +394,12 @@ def test_grafana_dashboards_read_only_exported_series(stack: Stack) -> None:
     live = {"up"}  # Prometheus' own series for every target
     for name in ("sim-gateway-1", "sim-engine-a"):
         live |= exported(httpx.get(stack.running[name].url() + "/metrics", timeout=5).text)
+    # The on-demand row: the stack runs no on-demand engine, and a gateway registers these series only
+    # when one is configured; they are what OnDemandMetrics declares (tests/obs/test_dashboards.py reads
+    # them from a live gateway that has one).
+    on_demand = CollectorRegistry()
+    OnDemandMetrics(on_demand)
+    live |= exported(generate_latest(on_demand).decode())
     for path in dashboards:
         queries = list(dashboard_queries(json.loads(path.read_text())))
         assert queries, f"{path.name}: no queries found"

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import re
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
-from config.settings import ConfigError, PolicyName, load_settings
+from config.settings import ConfigError, PolicyName, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +24,52 @@ def test_example_config_loads() -> None:
     s = load_settings(ROOT / "config" / "example.yaml")
     assert [b.id for b in s.backends] == ["gpu-a", "gpu-b"]
     assert s.routing.policy is PolicyName.AFFINITY
+
+
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The settings models inside an annotation: ``X``, ``X | None``, ``tuple[X, ...]``, ``dict[str, X]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if typing.get_origin(annotation) in (types.UnionType, typing.Union, tuple, dict):
+        return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+    return []
+
+
+def _field_names(model: type[BaseModel], seen: set[type[BaseModel]], owned: set[type[BaseModel]]) -> set[str]:
+    """Field names of ``model`` and the models nested in it that are neither ``seen`` (which grows) nor
+    ``owned`` by a section of their own."""
+    seen.add(model)
+    names = set(model.model_fields)
+    for field in model.model_fields.values():
+        for nested in _models(field.annotation):
+            if nested not in seen and nested not in owned:
+                names |= _field_names(nested, seen, owned)
+    return names
+
+
+def test_example_config_names_every_settings_field() -> None:
+    """Each top-level section of config/example.yaml names every field of its model and of the models
+    nested in it (commented-out lines count: optional parts are shown commented). A model that is some
+    section's own (``canary``) is checked there, not again where it nests (``backends[].canary``)."""
+    text = (ROOT / "config" / "example.yaml").read_text()
+    starts = [(m.start(), m[1]) for m in re.finditer(r"^(\w+):", text, re.M)]
+    sections = {
+        name: text[start : starts[i + 1][0] if i + 1 < len(starts) else len(text)]
+        for i, (start, name) in enumerate(starts)
+    }
+    assert set(sections) == set(Settings.model_fields), "top-level sections vs Settings"
+    owned = {m for f in Settings.model_fields.values() for m in _models(f.annotation)}
+    seen: set[type[BaseModel]] = set()
+    for name, field in Settings.model_fields.items():
+        wanted: set[str] = set()
+        for model in _models(field.annotation):
+            wanted |= _field_names(model, seen, owned - {model})
+        missing = {
+            f
+            for f in wanted
+            if not re.search(rf"(?:^[ \t]*(?:#[ \t]*)?(?:-[ \t]+)?|[{{,][ \t]*){f}:", sections[name], re.M)
+        }
+        assert missing == set(), f"config/example.yaml section {name}: fields not shown"
 
 
 def test_env_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

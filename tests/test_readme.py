@@ -1,12 +1,14 @@
 """The README's operator-facing claims held to the code: the admin paths it names and the bodies its curl
-examples send, the settings keys in its tables and their defaults, the series its metrics table lists, the
-on-demand refusal codes, and its YAML examples. A gateway is built in process (no lifespan, no sockets)."""
+examples send, the settings keys in its tables and their defaults (the vision sidecar's own settings too),
+the series its metrics table lists, the on-demand refusal codes, the sidecar's refusal codes, and its YAML
+examples. A gateway is built in process (no lifespan, no sockets)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +29,14 @@ from config.settings import (
     ManagedConfig,
     OnDemandConfig,
     Settings,
+    SidecarConfig,
     load_settings,
 )
 from gateway.admin.openapi import document
 from gateway.app import Gateway, HotPath, create_app
 from gateway.waiting import _CODES as ON_DEMAND_CODES  # the one table of the 503 codes
+from sidecars.vision import errors as sidecar_errors
+from sidecars.vision.settings import VisionSettings
 
 from compose_model import ENV_EXAMPLE, read_env_file
 
@@ -173,15 +178,24 @@ def test_every_admin_path_named_in_the_readme_exists(routes: set[tuple[str, str]
     assert {p for p in named if not matching(p, routes)} == set()
 
 
+def _model_of(annotation: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if isinstance(annotation, types.UnionType):
+        (annotation,) = [a for a in annotation.__args__ if a is not type(None)]
+    return annotation
+
+
 def _field(path: str) -> FieldInfo:
     parts = path.split(".")
     model: type[BaseModel] = Settings
     if parts[0] == "managed":
         model, parts = ManagedConfig, parts[1:]
+    elif parts[0] == "backends[]":
+        model, parts = BackendConfig, parts[1:]
     elif parts[0] == "groups":  # groups.<name>.field
         model, parts = GroupConfig, parts[2:]
     for part in parts[:-1]:
-        annotation = model.model_fields[part].annotation
+        annotation = _model_of(model.model_fields[part].annotation)
         assert isinstance(annotation, type) and issubclass(annotation, BaseModel), path
         model = annotation
     assert parts[-1] in model.model_fields, f"{path}: no such setting"
@@ -194,22 +208,30 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def key_rows() -> dict[str, str]:
-    """Every row of the README's ``| key | default | what |`` tables: key -> default, as written."""
-    found = {}
+def key_rows(first: str = "key") -> dict[str, str | None]:
+    """Every row of the README's ``| <first> | default | what |`` tables: key -> default as written (None
+    for "—": a required field)."""
+    found: dict[str, str | None] = {}
     for header, body in tables(text()):
-        if header == ["key", "default", "what"]:
+        if header == [first, "default", "what"]:
             for cells in body:
-                (key,), (default,) = ticked(cells[0]), ticked(cells[1])
-                found[key] = default
+                (key,), defaults = ticked(cells[0]), ticked(cells[1])
+                assert defaults or cells[1] == "—", cells
+                found[key] = defaults[0] if defaults else None
     return found
+
+
+def _check_default(key: str, field: FieldInfo, default: str | None) -> None:
+    if default is None:
+        assert field.is_required(), f"{key}: the README says required"
+    else:
+        assert _plain(field.get_default(call_default_factory=True)) == yaml.safe_load(default), key
 
 
 def test_key_tables_name_real_settings_with_their_defaults() -> None:
     table = key_rows()
     for key, default in table.items():
-        field = _field(key)
-        assert _plain(field.get_default(call_default_factory=True)) == yaml.safe_load(default), key
+        _check_default(key, _field(key), default)
     sections: dict[str, type[BaseModel]] = {
         "admin": AdminConfig,
         "auth": AuthConfig,
@@ -218,7 +240,31 @@ def test_key_tables_name_real_settings_with_their_defaults() -> None:
     expected = {f"{name}.{f}" for name, model in sections.items() for f in model.model_fields}
     expected |= {f"groups.<name>.{f}" for f in GroupConfig.model_fields}
     expected |= {f"managed.{f}" for f in ON_DEMAND_FIELDS}
+    expected |= {f"sidecar.{f}" for f in SidecarConfig.model_fields} | {"backends[].vision"}
     assert expected - set(table) == set(), "settings missing from the README's key tables"
+
+
+def test_sidecar_settings_table_is_every_sidecar_setting_with_its_default() -> None:
+    table = key_rows("sidecar setting")
+    assert set(table) == set(VisionSettings.model_fields)
+    for key, default in table.items():
+        _check_default(key, VisionSettings.model_fields[key], default)
+
+
+def _subclasses(cls: type[sidecar_errors.VisionError]) -> Iterator[type[sidecar_errors.VisionError]]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_sidecar_refusal_table_is_the_sidecars_4xx_codes() -> None:
+    """What a client can get back for an image: every 4xx the sidecar has, with its status."""
+    (body,) = [
+        b for header, b in tables(section("Images and the vision sidecar")) if header[0] == "sidecar code"
+    ]
+    table = {ticked(cells[0])[0]: int(cells[1]) for cells in body}
+    codes = {e.code: e.status for e in _subclasses(sidecar_errors.VisionError) if 400 <= e.status < 500}
+    assert table == codes
 
 
 def exported(gw: Gateway) -> dict[str, set[str] | None]:

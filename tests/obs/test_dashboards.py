@@ -1,9 +1,17 @@
-"""config/grafana and config/prometheus.yml refer only to series a live gateway exports."""
+"""config/grafana and config/prometheus.yml refer only to series a live gateway exports.
+
+The live gateway has every optional family on: besides two fake engines it has one on-demand backend (never
+started: its command is not run without a request for its model), so the ``warmroute_ondemand_*`` series,
+which exist only when a backend is on demand, are on its /metrics too.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +20,10 @@ import yaml
 from obs_engines import CHAT, UsageEngine
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusters import ClusterFactory
-from upstreams import FakeEngine
+from config.settings import load_settings
+from gateway.app import Gateway, create_app
+
+from upstreams import FakeEngine, serve
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 DASHBOARDS = sorted((CONFIG / "grafana" / "dashboards").glob("*.json"))
@@ -103,13 +113,37 @@ def test_prometheus_config_scrapes_the_gateway_metrics_path() -> None:
     assert job["static_configs"][0]["targets"] == ["127.0.0.1:8080"]  # ServerConfig's default port
 
 
-def test_every_panel_expression_reads_only_series_the_gateway_exports(cluster: ClusterFactory) -> None:
-    c = cluster(engines=[UsageEngine("a"), FakeEngine("b")], routing={"policy": "round_robin"})
-    for i in range(4):  # traffic of every kind: plain and streamed, with and without cached tokens
-        body = {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}], "stream": i % 2 == 1}
-        assert httpx.post(c.url + "/v1/chat/completions", json=body).status_code == 200
-    c.wait_idle()
-    live = exported(httpx.get(c.url + "/metrics").text)
+@contextlib.contextmanager
+def gateway_with_on_demand() -> Iterator[tuple[str, Gateway]]:
+    """A gateway in front of a usage-reporting engine and a plain one, plus one on-demand engine."""
+    with contextlib.ExitStack() as stack:
+        backends: list[dict[str, Any]] = []
+        for engine in (UsageEngine("a"), FakeEngine("b")):
+            url, _ = stack.enter_context(serve(engine.app()))
+            backends.append({"id": engine.name, "url": url, "models": list(engine.models)})
+        managed = {"command": ["true"], "on_demand": True, "idle_ttl_s": 60, "group": "gpu0"}
+        backends.append({"id": "od", "url": "http://127.0.0.1:9", "models": ["od"], "managed": managed})
+        settings = load_settings(
+            None,
+            backends=backends,
+            groups={"gpu0": {}},
+            routing={"policy": "round_robin"},
+            health={"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+        )
+        app = create_app(settings)
+        url, _ = stack.enter_context(serve(app))
+        yield url, app.state.gateway
+
+
+def test_every_panel_expression_reads_only_series_the_gateway_exports() -> None:
+    with gateway_with_on_demand() as (url, gateway):
+        for i in range(4):  # traffic of every kind: plain and streamed, with and without cached tokens
+            body = {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}], "stream": i % 2 == 1}
+            assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200
+        wait_idle(gateway)
+        text = httpx.get(url + "/metrics").text
+    assert "warmroute_ondemand_starts_total" in text  # declared, no sample: no start was asked for
+    live = exported(text)
     used: set[str] = set()
     for path in DASHBOARDS:
         for expr in expressions(json.loads(path.read_text())):
@@ -118,7 +152,7 @@ def test_every_panel_expression_reads_only_series_the_gateway_exports(cluster: C
             missing = names - live
             assert not missing, f"{path.name}: {expr!r} reads {sorted(missing)}, not exported"
             used |= names
-    # The dashboard shows what issue #11 asked for: each of these families is on some panel.
+    # The dashboard shows what issue #11 asked for, and the on-demand row: each family is on some panel.
     for family in (
         "warmroute_requests_total",
         "warmroute_routed_requests_total",
@@ -135,5 +169,19 @@ def test_every_panel_expression_reads_only_series_the_gateway_exports(cluster: C
         "warmroute_canary_runs_total",
         "warmroute_backend_restarts_total",
         "warmroute_finish_reasons_total",
+        "warmroute_ondemand_starts_total",
+        "warmroute_ondemand_stops_total",
+        "warmroute_ondemand_swaps_total",
+        "warmroute_ondemand_queue_depth",
+        "warmroute_ondemand_wait_seconds_bucket",
+        "warmroute_ondemand_starting_seconds_bucket",
     ):
         assert family in used, family
+
+
+def wait_idle(gateway: Gateway, timeout: float = 5.0) -> None:
+    """Until the last streamed answer has been accounted (its finish runs after the client's last byte)."""
+    deadline = time.monotonic() + timeout
+    while gateway.registry.total_in_flight():
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.01)
