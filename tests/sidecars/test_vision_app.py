@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,10 +55,11 @@ def sidecar(tiny_checkpoint: Path, encoder: Any) -> Iterator[Any]:
         context.__exit__(None, None, None)
 
 
-def wait_ready(url: str) -> None:
-    for _ in range(200):
-        if httpx.get(f"{url}/health").status_code != 503:
-            return
+def wait_ready(url: str, within_s: float = 60.0) -> None:
+    """Poll /health until the load finished (a thread of the server's; nothing to await from here)."""
+    deadline = time.monotonic() + within_s
+    while httpx.get(f"{url}/health").status_code == 503:
+        assert time.monotonic() < deadline, f"the sidecar at {url} was not ready within {within_s:g} s"
         threading.Event().wait(0.02)
 
 
