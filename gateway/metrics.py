@@ -198,6 +198,8 @@ class Metrics:
 #: Decisions for a conversation that did not land on its pin (for the hit rate).
 _AFFINITY_MISSES = (
     Reason.NEW_LEAST_LOADED,
+    Reason.NEW_CHEAPEST,
+    Reason.MOVE_CHEAPER,
     Reason.SPILL_OVERLOAD,
     Reason.REPIN_UNHEALTHY,
     Reason.REPIN_REMOVED,

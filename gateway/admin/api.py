@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 ENGINE_SERIES = (*QUEUE_GAUGES, *CACHE_COUNTERS)
 SCRAPE_TIMEOUT_S = 1.0
 _AFFINITY_REASONS = (Reason.AFFINITY_HIT, Reason.SPILL_OVERLOAD, Reason.REPIN_UNHEALTHY, Reason.REPIN_REMOVED)
+_NEW_OR_MOVED = (Reason.NEW_LEAST_LOADED, Reason.NEW_CHEAPEST, Reason.MOVE_CHEAPER)  # both policies' misses
 _COMMANDS = (Command.DRAIN, Command.UNDRAIN, Command.CORDON, Command.UNCORDON, Command.RESET)
 _FLAGS = {
     Command.DRAIN: ("drained", True),
@@ -214,7 +215,7 @@ class AdminApi:
     async def affinity(self, _request: Request) -> Response:
         per_backend = await pins.counts(self.gw.store)
         decisions = {r.value: n for r, n in self.gw.metrics.tally.decisions.items()}
-        routed = sum(decisions[r.value] for r in (*_AFFINITY_REASONS, Reason.NEW_LEAST_LOADED))
+        routed = sum(decisions[r.value] for r in (*_AFFINITY_REASONS, *_NEW_OR_MOVED))
         status = self.gw.store.status()
         stats = AffinityStats(
             store=str(status.get("backend")),
