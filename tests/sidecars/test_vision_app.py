@@ -41,13 +41,14 @@ def sidecar(tiny_checkpoint: Path, encoder: Any) -> Iterator[Any]:
     """``sidecar(**settings)`` → base URL of a served app whose loader hands over the session's encoder."""
     stack: list[Any] = []
 
-    def start(load: Any = None, **overrides: Any) -> str:
+    def start(load: Any = None, wait: bool = True, **overrides: Any) -> str:
         settings = VisionSettings(checkpoint=tiny_checkpoint, **overrides)
         app = create_app(settings, load=load or (lambda _s: encoder))
         context = serve(app)
         url, _server = context.__enter__()
         stack.append(context)
-        wait_ready(url)
+        if wait:
+            wait_ready(url)
         return url
 
     yield start
@@ -56,10 +57,11 @@ def sidecar(tiny_checkpoint: Path, encoder: Any) -> Iterator[Any]:
 
 
 def wait_ready(url: str, within_s: float = 60.0) -> None:
-    """Poll /health until the load finished (a thread of the server's; nothing to await from here)."""
+    """Poll /health until the load has finished, ready or failed (it runs on a thread of the server's:
+    nothing to await from here)."""
     deadline = time.monotonic() + within_s
-    while httpx.get(f"{url}/health").status_code == 503:
-        assert time.monotonic() < deadline, f"the sidecar at {url} was not ready within {within_s:g} s"
+    while httpx.get(f"{url}/health").json()["status"] == "loading":
+        assert time.monotonic() < deadline, f"the sidecar at {url} still loading after {within_s:g} s"
         threading.Event().wait(0.02)
 
 
@@ -218,7 +220,7 @@ def test_a_full_queue_answers_503_at_once(sidecar: Any, encoder: Any) -> None:
 
 def test_health_is_503_while_loading_then_200_with_the_load_report(sidecar: Any, encoder: Any) -> None:
     gate = threading.Event()
-    url = sidecar(load=lambda _s: gate.wait(30) and encoder)
+    url = sidecar(load=lambda _s: gate.wait(30) and encoder, wait=False)
     loading = httpx.get(f"{url}/health")
     refused = encode(url, data_uri(png_bytes(8, 8)))
     gate.set()
