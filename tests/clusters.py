@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import uvicorn
 
-from gateway.app import Gateway
+from config.settings import Settings
+from gateway.app import Gateway, create_app
 
 from upstreams import FakeEngine
 
@@ -53,3 +57,24 @@ class Cluster:
 
 
 ClusterFactory = Callable[..., Cluster]
+
+
+@contextlib.asynccontextmanager
+async def served_gateway(settings: Settings, within_s: float) -> AsyncIterator[tuple[str, Gateway]]:
+    """A gateway under uvicorn on the test's own event loop (so the test can watch its controllers); yields
+    its URL and the ``Gateway``. ``within_s`` bounds the start-up (managed engines' canaries included)."""
+    app = create_app(settings)
+    gw: Gateway = app.state.gateway
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(within_s):
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", gw
+    finally:
+        server.should_exit = True
+        await task

@@ -19,15 +19,16 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from simprocs import SIM_START_TIMEOUT_S, SimFactory, sim_argv
 
 from backends.events import Command, Operator
 from backends.lifecycle import Lifecycle
 from config.settings import load_settings
-from gateway.app import Gateway, create_app, readyz_backends
+from gateway.app import Gateway, readyz_backends
 from routing.types import BackendState
 from tools import procs
+
+from clusters import served_gateway
 
 pytestmark = pytest.mark.anyio
 S = BackendState
@@ -67,21 +68,8 @@ class Timeline:
 async def gateway(backends: list[dict[str, Any]], **overrides: Any) -> AsyncIterator[tuple[str, Gateway]]:
     overrides.setdefault("health", FAST_HEALTH)
     settings = load_settings(None, backends=backends, **overrides)
-    app = create_app(settings)
-    gw: Gateway = app.state.gateway
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(SIM_START_TIMEOUT_S):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", gw
-    finally:
-        server.should_exit = True
-        await task
+    async with served_gateway(settings, SIM_START_TIMEOUT_S) as served:
+        yield served
 
 
 def backend(bid: str, url: str, **extra: Any) -> dict[str, Any]:

@@ -16,15 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from backends.lifecycle import Lifecycle
 from backends.ondemand import Phase
 from config.settings import load_settings
-from gateway.app import Gateway, create_app
+from gateway.app import Gateway
 from gateway.observe import Observation
 from routing.types import BackendState
 from tools import procs
+
+from clusters import served_gateway
 
 pytestmark = pytest.mark.anyio
 S = BackendState
@@ -80,22 +81,8 @@ class Timeline:
 @contextlib.asynccontextmanager
 async def gateway(backends: list[dict[str, Any]], **overrides: Any) -> AsyncIterator[tuple[str, Gateway]]:
     overrides.setdefault("health", FAST_HEALTH)
-    settings = load_settings(None, backends=backends, **overrides)
-    app = create_app(settings)
-    gw: Gateway = app.state.gateway
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(WITHIN):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", gw
-    finally:
-        server.should_exit = True
-        await task
+    async with served_gateway(load_settings(None, backends=backends, **overrides), WITHIN) as served:
+        yield served
 
 
 async def eventually(predicate: Callable[[], bool], within: float = WITHIN) -> None:
