@@ -392,3 +392,33 @@ def test_no_page_or_source_cites_files_outside_the_repository() -> None:
         if ".venv" not in p.parts and p.resolve() != mine and outside.search(p.read_text())
     ]
     assert hits == []
+
+
+def test_every_table_has_its_header_row() -> None:
+    """A blank line inside a table splits it, and the rows after it render as a paragraph of ``|``: every run
+    of table lines starts with a header and a separator row."""
+    for page in pages():
+        for block in re.findall(r"(?:^\|.*\n)+", page.read_text(), re.M):
+            lines = block.splitlines()
+            assert len(lines) >= 2 and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[1]), (page.name, lines[0])
+
+
+def test_routing_knob_table_names_real_settings_with_their_defaults() -> None:
+    (body,) = [
+        b
+        for header, b in tables(section("Backends and what each routing knob trades"))
+        if header[0] == "knob (default)"
+    ]
+    seen = set()
+    for cells in body:
+        names = [n for n in ticked(cells[0]) if ":" not in n]
+        defaults = re.findall(r"\(([^)]+)\)", cells[0])
+        assert len(names) == len(defaults), cells[0]
+        prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else "backends[]."
+        if cells[0].startswith("`routing.policy: ttft`"):
+            prefix = "routing."
+        for name, default in zip(names, defaults, strict=True):
+            key = name if "." in name else prefix + name
+            _check_default(key, _field(key), default.replace(" ", ""))
+            seen.add(key)
+    assert {"routing.active_window_s", "routing.speed_half_life_s", "health.fail_threshold"} <= seen
