@@ -160,11 +160,13 @@ class BackendController:
         finally:
             self._sending = False
 
-    def record_request(self, success: bool) -> None:
-        """A real request's outcome for the circuit breaker (connect error, 5xx, timeout: not success)."""
+    def record_request(self, success: bool, client: str | None = None) -> None:
+        """A real request's outcome for the circuit breaker (connect error, 5xx, timeout: not success).
+        ``client``: who sent it, for a 5xx answer the request's own input could explain too (see
+        ``backends.breaker``); None for a failure only the engine explains."""
         now = self._clock()
         before = self.breaker.state(now)
-        after = self.breaker.record(success, now)
+        after = self.breaker.record(success, now, client)
         if after is before:
             return
         if after is CircuitState.OPEN:
@@ -174,6 +176,10 @@ class BackendController:
             self._arm_circuit_check(now)
         else:
             self.send(CircuitChanged(after, "a request succeeded"))
+
+    def abstain_request(self) -> None:
+        """A request whose failure was its own (another engine failed it too): no outcome for the breaker."""
+        self.breaker.abstain(self._clock())
 
     def admit_request(self) -> bool:
         """May a new request go here now? Routable, and the breaker lets it (taking the half-open trial)."""
