@@ -245,7 +245,8 @@ class OnDemandConfig(_Section):
 
 
 class BreakerConfig(_Section):
-    """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic."""
+    """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic (a 5xx is judged
+    with the request's other attempt first: gateway/blame.py)."""
 
     failure_threshold: int = Field(default=5, ge=1, description="Consecutive failures that open it")
     open_s: float = Field(default=10.0, gt=0, description="First open period; then one trial request")
