@@ -541,8 +541,8 @@ class AdminConfig(_Section):
             and (self.token is None or not self.token.get_secret_value())
         ):
             raise ValueError(
-                f"{' and '.join(protected)} protect with the admin token, and none is set: "
-                "set admin.token (WARMROUTE_ADMIN__TOKEN) or admin.token_file"
+                f"{' and '.join(protected)} need{'s' if len(protected) == 1 else ''} the admin token, and "
+                "none is set: set admin.token (WARMROUTE_ADMIN__TOKEN) or admin.token_file"
             )
         return self
 

@@ -17,9 +17,10 @@
 - Scopes: ``http`` is checked as above, ``lifespan`` passes, a ``websocket`` is closed before it is
   accepted (the gateway serves none, and nothing may reach the app unchecked), any other type is an error.
 
-The listener address is what the settings say (``admin.host``/``server.host``; ``warmroute serve --host``
-exports its override into the environment, so every worker reads the same), not the connection's local
-address: a socket bound to 0.0.0.0 reports 127.0.0.1 to a local client.
+Whether the admin listener is loopback is decided by the address the settings bind it to
+(``admin.host``/``server.host``; ``warmroute serve --host`` exports its override into the environment, so
+every worker reads the same), not by a connection's local address: a socket bound to 0.0.0.0 reports
+127.0.0.1 to a local client.
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class AccessGuard:
             await self.app(scope, receive, send)
             return
         if kind == "websocket":  # refused before the handshake completes: the server answers 403
-            log.info("websocket %s refused: this gateway serves no websockets", scope.get("path"))
+            log.info("websocket %r refused: this gateway serves no websockets", scope.get("path"))
             await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": ""})
             return
         if kind != "http":
