@@ -3,7 +3,9 @@
 - ``/admin`` and everything under it (the JSON API, the status page, whatever is mounted there later)
   needs ``Authorization: Bearer <admin token>``, compared in constant time. With no token configured the
   admin plane is served only when the listener that serves it is bound to loopback; bound anywhere else it
-  answers 403 and says why (never silently open on 0.0.0.0). That listener is ``admin.host:admin.port``
+  answers 403 and says why (never silently open on 0.0.0.0), and so does a request that came through a
+  proxy (``Forwarded``, ``X-Forwarded-For``, ``X-Real-IP``: a reverse proxy on the same host would open it
+  to everyone the proxy serves). That listener is ``admin.host:admin.port``
   when ``admin.port`` is set (then it serves /admin only, and /admin is served nowhere else), else the API
   listener, ``server.host`` (settings refuse ``admin.host`` without ``admin.port``).
 - A connection is on the admin listener when the local address it arrived on (the ASGI scope's
@@ -42,6 +44,8 @@ log = logging.getLogger("warmroute.auth")
 ADMIN_PREFIX = "/admin"
 METRICS = "/metrics"
 WS_POLICY_VIOLATION = 1008  # RFC 6455 close code
+#: Headers reverse proxies add (nginx and HAProxy when configured to; Caddy and Traefik always).
+FORWARDING_HEADERS = frozenset({b"forwarded", b"x-forwarded-for", b"x-real-ip"})
 CLIENT_STATE = "warmroute_client"  # key in scope["state"]: the client key's configured name
 
 
@@ -66,6 +70,11 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def forwarded(scope: Scope) -> bool:
+    """Did a proxy add forwarding headers? Then the peer speaks for someone else, whatever its address."""
+    return any(name in FORWARDING_HEADERS for name, _ in scope["headers"])
 
 
 def is_admin_path(path: str) -> bool:
@@ -190,8 +199,14 @@ class AdminAccess:
 
     def check(self, scope: Scope) -> GatewayError | None:
         if self.token is None:
-            if self.open_on_loopback:
+            if self.open_on_loopback and not forwarded(scope):
                 return None
+            if self.open_on_loopback:
+                return Forbidden(
+                    "the admin API is served without a token only to callers on this host, and this request "
+                    "came through a proxy (it carries forwarding headers); set admin.token "
+                    "(WARMROUTE_ADMIN__TOKEN)"
+                )
             return Forbidden(
                 f"the admin API is disabled: no admin token is configured and the admin listener is bound "
                 f"to {self.host}, which is not loopback; set admin.token (WARMROUTE_ADMIN__TOKEN)"

@@ -3,9 +3,10 @@
 Served on the API port without auth, for load balancers and supervisors. Who gets the detail (each
 backend's full lifecycle status: the failed canary check and its answer, exit codes, last output lines; the
 vision sidecar's the same) is decided per request: by default a loopback peer (an operator on the host, a
-local supervisor); with ``admin.protect_readyz_detail`` only a caller with the admin token, since behind a
-reverse proxy on the same host every client is a loopback peer. Anyone else gets ids, states and a short
-reason, no URLs or output.
+local supervisor) whose request carries no forwarding headers (a reverse proxy on the same host is a
+loopback peer speaking for everyone); with ``admin.protect_readyz_detail`` only a caller with the admin
+token (for proxies that add no such header). Anyone else gets ids, states and a short reason, no URLs or
+output.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.auth import AdminAccess, is_loopback
+from gateway.auth import AdminAccess, forwarded, is_loopback
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -51,7 +52,7 @@ def wants_detail(request: Request, access: AdminAccess) -> bool:
     if access.protect_readyz_detail:
         return access.has_token(request.scope)
     client = request.client
-    return client is not None and is_loopback(client.host)
+    return client is not None and is_loopback(client.host) and not forwarded(request.scope)
 
 
 def readyz_backends(status: dict[str, dict[str, Any]], detail: bool) -> dict[str, dict[str, Any]]:

@@ -76,6 +76,33 @@ def test_no_token_on_loopback_is_served_and_says_why(
     ]
 
 
+def test_no_token_on_loopback_is_refused_through_a_proxy(cluster: ClusterFactory) -> None:
+    # A reverse proxy on the same host is a loopback peer: without this, /admin would be open to everyone
+    # the proxy serves.
+    c = cluster(["a"])
+    for name, value in [
+        ("x-forwarded-for", "203.0.113.7"),
+        ("forwarded", "for=203.0.113.7"),
+        ("x-real-ip", "203.0.113.7"),
+    ]:
+        r = httpx.get(c.url + "/admin/backends", headers={name: value})
+        assert r.status_code == 403, name
+        assert r.json() == {
+            "error": {
+                "message": "the admin API is served without a token only to callers on this host, and this "
+                "request came through a proxy (it carries forwarding headers); set admin.token "
+                "(WARMROUTE_ADMIN__TOKEN)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "admin_disabled",
+            }
+        }
+    assert httpx.get(c.url + "/admin/backends").status_code == 200
+    token = cluster(["a"], admin={"token": TOKEN})  # with a token, the token decides
+    auth = {"authorization": f"Bearer {TOKEN}", "x-forwarded-for": "203.0.113.7"}
+    assert httpx.get(token.url + "/admin/backends", headers=auth).status_code == 200
+
+
 def test_secrets_load_from_the_environment_and_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("WARMROUTE_ADMIN__TOKEN", "from-env")
     monkeypatch.setenv("WARMROUTE_AUTH__CLIENT_KEYS", '[{"name": "ci", "key": "k-env"}]')

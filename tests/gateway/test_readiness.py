@@ -14,8 +14,9 @@ SHORT = {"a": {"state": "ready", "reason": "canary passed"}}
 DETAIL_KEYS = {"state", "reason", "circuit", "routable"}  # some of the lifecycle's full status
 
 
-def backends(c: Cluster, token: str | None = None) -> dict[str, Any]:
+def backends(c: Cluster, token: str | None = None, extra: dict[str, str] | None = None) -> dict[str, Any]:
     headers = {} if token is None else {"authorization": f"Bearer {token}"}
+    headers.update(extra or {})
     r = httpx.get(c.url + "/readyz", headers=headers, timeout=5)  # from 127.0.0.1: a loopback peer
     assert r.status_code == 200
     found: dict[str, Any] = r.json()["backends"]
@@ -25,6 +26,16 @@ def backends(c: Cluster, token: str | None = None) -> dict[str, Any]:
 def test_by_default_a_loopback_peer_gets_the_detail(cluster: ClusterFactory) -> None:
     c = cluster(["a"], admin={"token": TOKEN})
     assert set(backends(c)["a"]) >= DETAIL_KEYS
+
+
+def test_a_loopback_peer_forwarding_for_someone_else_gets_the_short_form(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])  # a reverse proxy on the same host is a loopback peer
+    for name, value in [
+        ("x-forwarded-for", "203.0.113.7"),
+        ("forwarded", "for=203.0.113.7"),
+        ("x-real-ip", "203.0.113.7"),
+    ]:
+        assert backends(c, extra={name: value}) == SHORT, name
 
 
 def test_protected_detail_needs_the_admin_token_even_on_loopback(cluster: ClusterFactory) -> None:
