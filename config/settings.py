@@ -513,6 +513,11 @@ class ServerConfig(_Section):
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM, how long requests in flight may take to finish"
     )
+    hide_engine_errors: bool = Field(
+        default=False,
+        description="Answer an engine's 5xx with a generic error of the same status instead of its body "
+        "(which can carry internal host names, paths, tracebacks)",
+    )
 
 
 class RedisConfig(_Section):
@@ -565,7 +570,9 @@ class AdminConfig(_Section):
     port: int | None = Field(
         default=None, ge=1, le=65535, description="Serve /admin only on this port (and only /admin there)"
     )
-    host: str | None = Field(default=None, description="Admin listener address; default server.host")
+    host: str | None = Field(
+        default=None, description="Admin listener address (with port only); default server.host"
+    )
     allow_managed: bool = Field(
         default=False,
         description="Allow POST /admin/backends with a `managed` block (it runs a command on this host)",
@@ -576,6 +583,33 @@ class AdminConfig(_Section):
     max_body_bytes: int = Field(
         default=256 * 1024, ge=1024, description="Largest admin request body (then 413)"
     )
+    protect_metrics: bool = Field(
+        default=False, description="/metrics needs the admin token too (it names client keys and backends)"
+    )
+    protect_readyz_detail: bool = Field(
+        default=False,
+        description="/readyz's detail (exits, last output lines, canary answers) only with the admin token; "
+        "without it even loopback callers (a same-host reverse proxy) get the short form",
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> AdminConfig:
+        if self.host is not None and self.port is None:
+            raise ValueError(
+                "host is set without port: without a port of its own /admin is served by the API listener "
+                "(server.host), not on admin.host; set admin.port too, or drop admin.host"
+            )
+        protected = [n for n in ("protect_metrics", "protect_readyz_detail") if getattr(self, n)]
+        if (
+            protected
+            and self.token_file is None
+            and (self.token is None or not self.token.get_secret_value())
+        ):
+            raise ValueError(
+                f"{' and '.join(protected)} need{'s' if len(protected) == 1 else ''} the admin token, and "
+                "none is set: set admin.token (WARMROUTE_ADMIN__TOKEN) or admin.token_file"
+            )
+        return self
 
     def secret(self) -> str | None:
         """The configured token (the file wins), stripped; None when none is configured."""
@@ -698,6 +732,15 @@ class Settings(BaseSettings):
             if group is not None and group not in self.groups:
                 declared = ", ".join(sorted(self.groups)) or "none"
                 raise ValueError(f"backend {b.id!r}: group {group!r} is not declared in groups ({declared})")
+        return self
+
+    @model_validator(mode="after")
+    def _admin_port_is_its_own(self) -> Settings:
+        if self.admin.port is not None and self.admin.port == self.server.port:
+            raise ValueError(
+                f"admin.port {self.admin.port} is also server.port: the admin listener needs a port of its "
+                "own (a connection is told apart by the address it arrived on)"
+            )
         return self
 
     @model_validator(mode="after")

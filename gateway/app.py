@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import os
 import time
@@ -37,6 +36,7 @@ from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFou
 from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
+from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.sidecar import SidecarClient, SidecarHost
@@ -96,6 +96,7 @@ class Gateway:
             self.transport,
             guard=settings.guard,
             observers=(self.metrics,),  # tokens, TTFT, requests by model and route reason
+            hide_engine_errors=settings.server.hide_engine_errors,
         )
         # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
         # by the gateway where the engine cannot, reasoning output in the fields clients expect.
@@ -253,6 +254,7 @@ def create_app(
     """The ASGI app. ``freeze_gc``: for a serving process (``warmroute serve``), never for tests that build
     many apps in one interpreter (frozen objects are never collected)."""
     gw = Gateway(settings, store, freeze_gc=freeze_gc)
+    access = AdminAccess.from_settings(settings)
     max_body = settings.limits.max_body_bytes
 
     def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
@@ -276,27 +278,6 @@ def create_app(
     async def healthz(_request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def readyz(request: Request) -> Response:
-        # Served on the API port without auth. Loopback clients (an operator on the host, a local
-        # supervisor) get each backend's full lifecycle status (failed canary check and its answer, exit
-        # codes, last output lines); anyone else gets ids, states and a short reason, no URLs or output.
-        loopback = _is_loopback(request.client and request.client.host)
-        backends = readyz_backends(gw.fleet.status(), loopback)
-        shared = gw.store.status()
-        # Stopped on-demand engines start on a request: a gateway fronting only those is ready.
-        ready = gw.registry.any_ready() or gw.fleet.startable()
-        body = {
-            "ready": ready,
-            "backends": backends,
-            "shared_state": {"backend": shared.get("backend"), "degraded": bool(shared.get("degraded"))},
-        }
-        if gw.sidecar is not None:  # not part of readiness: text requests never need it
-            side: dict[str, Any] = {"state": gw.sidecar.state, "available": gw.sidecar.available}
-            if loopback:  # its exits, causes and last output lines, as for backends
-                side["status"] = gw.sidecar.status()
-            body["vision_sidecar"] = side
-        return JSONResponse(body, status_code=200 if ready else 503)
-
     async def metrics(_request: Request) -> Response:
         return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
 
@@ -313,7 +294,7 @@ def create_app(
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/{rest:path}", endpoint(Passthrough, LeastLoadedPolicy())),
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
+        Route("/readyz", readyz_endpoint(gw, access), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/admin", routes=[*gw.admin.routes, Route("/status", status, methods=["GET"])]),  # AccessGuard
     ]
@@ -333,7 +314,6 @@ def create_app(
         hot["POST", path] = chat
     for path in ("/v1/completions", "/v1/completions/"):
         hot["POST", path] = completions
-    access = AdminAccess.from_settings(settings)
     log_admin_access(access)
     clients = ClientKeys(settings.auth.keys())
     return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
@@ -342,29 +322,6 @@ def create_app(
 def create_app_from_env() -> AccessGuard:
     """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
     return create_app(load_settings(os.environ.get(CONFIG_ENV)), freeze_gc=True)
-
-
-#: /readyz's reason for non-loopback clients is cut here: engine output must not leak through it.
-SHORT_REASON_CHARS = 120
-
-
-def readyz_backends(status: dict[str, dict[str, Any]], detail: bool) -> dict[str, dict[str, Any]]:
-    if detail:
-        return status
-    out: dict[str, dict[str, Any]] = {}
-    for bid, st in status.items():
-        reason = str(st.get("reason") or "").split(";", 1)[0].split(": ", 1)[0]  # "canary failed", …
-        out[bid] = {"state": st["state"], "reason": reason[:SHORT_REASON_CHARS]}
-    return out
-
-
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:

@@ -56,6 +56,12 @@ def _serve(ns: argparse.Namespace) -> int:
     if not settings.backends:
         print("warmroute: no backends configured (add a 'backends:' list to the config)", file=sys.stderr)
         return 2
+    if port == settings.admin.port:
+        print(
+            f"warmroute: --port {port} is admin.port: the admin listener needs a port of its own",
+            file=sys.stderr,
+        )
+        return 2
     if workers > 1 and settings.redis.url is None:
         print(
             "warmroute: --workers > 1 needs redis.url, or each worker keeps its own affinity table "

@@ -103,5 +103,20 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class EngineFailed(UpstreamError):
+    """The engine answered with a 5xx whose body is not relayed (``server.hide_engine_errors``): the
+    client gets the engine's status (and a numeric ``Retry-After``) with this generic body."""
+
+    code = "engine_error"
+
+    def __init__(self, backend: str, status: int, retry_after: bytes | None = None) -> None:
+        super().__init__(f"backend {backend} failed to answer (HTTP {status}); the details are withheld")
+        self.status = status
+        self.retry_after = retry_after if retry_after is not None and retry_after.isdigit() else None
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [] if self.retry_after is None else [(b"retry-after", self.retry_after)]
+
+
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()

@@ -36,6 +36,7 @@ from config.settings import GuardAction, GuardConfig, TimeoutConfig
 from gateway.blame import OutcomeFeed, settle
 from gateway.context import Draft, PrepareStep, RequestContext, RouteFilter
 from gateway.errors import (
+    EngineFailed,
     GatewayError,
     ModelNotFound,
     NoHealthyBackend,
@@ -109,7 +110,9 @@ class Proxy:
         steps: Sequence[PrepareStep] = (),
         guard: GuardConfig | None = None,
         observers: Sequence[Observer] = (),
+        hide_engine_errors: bool = False,
     ) -> None:
+        self.hide_engine_errors = hide_engine_errors  # an engine's 5xx body stays here (internal names)
         self.registry = registry
         self.store = store
         self.feed = feed
@@ -310,6 +313,9 @@ class Proxy:
 
     async def _relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
         assert ctx.lease is not None
+        if self.hide_engine_errors and upstream.status >= 500:
+            await self._withhold(ctx, upstream, send)
+            return
         sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
         chunks = upstream.aiter_raw()
         if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
@@ -332,6 +338,15 @@ class Proxy:
             # A non-streamed body's status line is gone: returning without finishing makes the server close
             # the connection, which is the only honest signal left.
             log.warning("%s; closing the client connection", error.message)
+
+    async def _withhold(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
+        """An engine 5xx answered generically; its body is never read (``_finish`` closes it)."""
+        assert ctx.lease is not None
+        backend = ctx.lease.backend.id
+        log.warning("backend %s answered %d; its body is withheld from the client", backend, upstream.status)
+        ctx.outcome = RequestOutcome.HTTP_5XX
+        ctx.finishing = ctx.responded = True
+        await send_error(send, EngineFailed(backend, upstream.status, upstream.header(b"retry-after")))
 
     async def _pump(
         self, ctx: RequestContext, chunks: AsyncIterator[bytes], send: Send, guard: StreamGuard | None

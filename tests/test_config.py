@@ -108,6 +108,17 @@ def test_backends_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
             "need server.workers: 1",
         ),
         ("guard: {action: kill}", "guard.action"),
+        ("admin: {host: 127.0.0.1}", "admin: Value error, host is set without port"),
+        ("server: {port: 9000}\nadmin: {port: 9000}", "admin.port 9000 is also server.port"),
+        ("admin: {protect_metrics: true}", "admin: Value error, protect_metrics needs the admin token"),
+        (
+            "admin: {protect_readyz_detail: true, token: ''}",
+            "admin: Value error, protect_readyz_detail needs the admin token",
+        ),
+        (
+            "admin: {protect_metrics: true, protect_readyz_detail: true}",
+            "protect_metrics and protect_readyz_detail need the admin token, and none is set",
+        ),
         ("- just a list", "mapping"),
         ("a: [unclosed", "not valid YAML"),
     ],
@@ -120,3 +131,16 @@ def test_bad_config_names_the_field(tmp_path: Path, text: str, says: str) -> Non
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "nope.yaml")
+
+
+def test_the_admin_token_from_the_environment_satisfies_the_protect_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = write(tmp_path, "admin: {protect_metrics: true, protect_readyz_detail: true}\n")
+    monkeypatch.setenv("WARMROUTE_ADMIN__TOKEN", "from-env")
+    s = load_settings(p)
+    assert (s.admin.protect_metrics, s.admin.protect_readyz_detail, s.admin.secret()) == (
+        True,
+        True,
+        "from-env",
+    )

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import uvicorn
+
+from config.settings import Settings
+from gateway.app import create_app
+from gateway.server import _admin_socket, uvicorn_config
+from tools.procs import free_port
 
 SYS = {"role": "system", "content": "You are a coding agent."}
 
@@ -38,3 +46,22 @@ def state_of(url: str, backend: str, **kwargs: Any) -> str | None:
 def metric_lines(url: str, name: str) -> list[str]:
     text = httpx.get(url + "/metrics", timeout=5).text
     return [line for line in text.splitlines() if line.startswith(name)]
+
+
+@contextlib.contextmanager
+def two_listeners(settings: Settings) -> Iterator[tuple[str, str]]:
+    """The gateway as ``warmroute serve`` runs it with ``admin.port``: one server, two sockets."""
+    config = uvicorn_config(create_app(settings), settings, port=free_port(), log_level="warning")
+    sockets = [config.bind_socket(), *_admin_socket(config)]
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "gateway did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{config.port}", f"http://127.0.0.1:{settings.admin.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

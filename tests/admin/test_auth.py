@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from starlette.types import Message, Receive, Scope, Send
 
 from config.settings import ConfigError, load_settings
 from gateway.app import create_app
-from gateway.server import _admin_socket, uvicorn_config
+from gateway.auth import AccessGuard, AdminAccess, ClientKeys
 from tools.procs import child, free_port, ok, python, wait_http
 
-from admin_helpers import chat, metric_lines
+from admin_helpers import chat, metric_lines, two_listeners
 from clusters import ClusterFactory
 from upstreams import FakeEngine, serve
 
@@ -79,6 +74,33 @@ def test_no_token_on_loopback_is_served_and_says_why(
         "admin API on 127.0.0.1 (the API port): no admin token configured; "
         "served because the listener is loopback"
     ]
+
+
+def test_no_token_on_loopback_is_refused_through_a_proxy(cluster: ClusterFactory) -> None:
+    # A reverse proxy on the same host is a loopback peer: without this, /admin would be open to everyone
+    # the proxy serves.
+    c = cluster(["a"])
+    for name, value in [
+        ("x-forwarded-for", "203.0.113.7"),
+        ("forwarded", "for=203.0.113.7"),
+        ("x-real-ip", "203.0.113.7"),
+    ]:
+        r = httpx.get(c.url + "/admin/backends", headers={name: value})
+        assert r.status_code == 403, name
+        assert r.json() == {
+            "error": {
+                "message": "the admin API is served without a token only to callers on this host, and this "
+                "request came through a proxy (it carries forwarding headers); set admin.token "
+                "(WARMROUTE_ADMIN__TOKEN)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "admin_disabled",
+            }
+        }
+    assert httpx.get(c.url + "/admin/backends").status_code == 200
+    token = cluster(["a"], admin={"token": TOKEN})  # with a token, the token decides
+    auth = {"authorization": f"Bearer {TOKEN}", "x-forwarded-for": "203.0.113.7"}
+    assert httpx.get(token.url + "/admin/backends", headers=auth).status_code == 200
 
 
 def test_secrets_load_from_the_environment_and_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -143,25 +165,6 @@ def test_forward_client_key_when_the_backend_asks() -> None:
     assert engine.headers[-1]["authorization"] == "Bearer k-ci"
 
 
-@contextlib.contextmanager
-def two_listeners(settings: Any) -> Iterator[tuple[str, str]]:
-    """The gateway as ``warmroute serve`` runs it with ``admin.port``: one server, two sockets."""
-    config = uvicorn_config(create_app(settings), settings, port=free_port(), log_level="warning")
-    sockets = [config.bind_socket(), *_admin_socket(config)]
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{config.port}", f"http://127.0.0.1:{settings.admin.port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def test_admin_port_serves_admin_only_and_only_there() -> None:
     engine = FakeEngine("a")
     with serve(engine.app()) as (url, _server):
@@ -202,3 +205,105 @@ def test_warmroute_serve_opens_the_admin_port(tmp_path: Path) -> None:
             assert httpx.get(admin + "/admin/backends").json()["backends"][0]["state"] == "ready"
             assert httpx.get(api + "/admin/backends").status_code == 404
             assert chat(api, "x").status_code == 200
+
+
+def test_protected_metrics_need_the_admin_token(cluster: ClusterFactory) -> None:
+    keys = [{"name": "alice", "key": "k-alice"}]
+    c = cluster(["a"], admin={"token": TOKEN, "protect_metrics": True}, auth={"client_keys": keys})
+    for path in ("/metrics", "/metrics/"):
+        r = httpx.get(c.url + path)
+        assert (r.status_code, r.headers["www-authenticate"]) == (401, "Bearer"), path
+        assert r.json() == {
+            "error": {
+                "message": "/metrics needs Authorization: Bearer <admin token>",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+        assert "alice" not in r.text
+    wrong = httpx.get(
+        c.url + "/metrics", headers={"authorization": "Bearer k-alice"}
+    )  # a client key is not it
+    assert (wrong.status_code, wrong.json()["error"]["message"]) == (401, "the admin token is not valid")
+    ok = httpx.get(c.url + "/metrics", headers={"authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200
+    assert 'warmroute_client_requests_total{client="alice"} 0.0' in ok.text.splitlines()
+    assert (
+        httpx.get(c.url + "/healthz").status_code == 200 and httpx.get(c.url + "/readyz").status_code == 200
+    )
+
+
+def test_metrics_stay_open_by_default(cluster: ClusterFactory, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="warmroute.auth"):
+        c = cluster(["a"], admin={"token": TOKEN})
+        protected = cluster(
+            ["a"], admin={"token": TOKEN, "protect_metrics": True, "protect_readyz_detail": True}
+        )
+    assert httpx.get(c.url + "/metrics").status_code == 200
+    assert httpx.get(protected.url + "/metrics").status_code == 401
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "warmroute.auth"] == [
+        "admin API on 127.0.0.1 (the API port): bearer token required",
+        "admin API on 127.0.0.1 (the API port): bearer token required; also for /metrics and /readyz detail",
+    ]
+
+
+def test_an_empty_token_file_with_a_protect_option_cannot_start(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("\n")
+    settings = load_settings(None, admin={"token_file": str(token), "protect_metrics": True})
+    with pytest.raises(ConfigError, match="need an admin token; none is set"):
+        create_app(settings)
+
+
+class _Inner:
+    """The app behind the guard: records whether anything reached it."""
+
+    def __init__(self) -> None:
+        self.scopes: list[str] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scopes.append(scope["type"])
+
+
+def _guard(inner: _Inner) -> AccessGuard:
+    access = AdminAccess.from_settings(load_settings(None, admin={"token": TOKEN}))
+    return AccessGuard(inner, access, ClientKeys({}), {})
+
+
+@pytest.mark.anyio
+async def test_a_websocket_is_closed_before_the_app_sees_it(caplog: pytest.LogCaptureFixture) -> None:
+    inner, sent = _Inner(), []
+
+    async def receive() -> Message:
+        return {"type": "websocket.connect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.INFO, logger="warmroute.auth"):
+        for path in ("/admin/backends", "/v1/chat/completions"):
+            await _guard(inner)({"type": "websocket", "path": path, "headers": []}, receive, send)
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": ""}] * 2  # the server answers 403
+    assert inner.scopes == []
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "warmroute.auth"] == [
+        "websocket '/admin/backends' refused: this gateway serves no websockets",
+        "websocket '/v1/chat/completions' refused: this gateway serves no websockets",
+    ]
+
+
+@pytest.mark.anyio
+async def test_lifespan_passes_and_an_unknown_scope_type_is_an_error() -> None:
+    inner = _Inner()
+
+    async def receive() -> Message:
+        raise AssertionError("not read")
+
+    async def send(message: Message) -> None:
+        raise AssertionError(f"nothing is sent: {message}")
+
+    await _guard(inner)({"type": "lifespan"}, receive, send)
+    assert inner.scopes == ["lifespan"]
+    with pytest.raises(RuntimeError, match="unsupported ASGI scope type 'webtransport'"):
+        await _guard(inner)({"type": "webtransport", "path": "/admin"}, receive, send)
+    assert inner.scopes == ["lifespan"]

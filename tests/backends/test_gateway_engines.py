@@ -24,7 +24,8 @@ from simprocs import SIM_START_TIMEOUT_S, SimFactory, sim_argv
 from backends.events import Command, Operator
 from backends.lifecycle import Lifecycle
 from config.settings import load_settings
-from gateway.app import Gateway, readyz_backends
+from gateway.app import Gateway
+from gateway.readiness import readyz_backends
 from routing.types import BackendState
 from tools import procs
 

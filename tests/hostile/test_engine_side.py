@@ -11,9 +11,10 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import httpx
+import pytest
 from hostile_engine import (
     HostileEngine,
     Script,
@@ -25,13 +26,15 @@ from hostile_engine import (
     trickle,
 )
 
-from conftest import HostileGateway, HostileGatewayFactory
+from gateway.outcomes import RequestOutcome
+
+from conftest import HostileGateway, HostileGatewayFactory, assert_one_line
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
-def engine(routes: dict[str, Script]) -> HostileEngine:
+def engine(routes: Mapping[str, Script | Sequence[Script]]) -> HostileEngine:
     """A hostile engine whose /health is fine: the health checker keeps it READY, so traffic reaches it."""
     return HostileEngine({"/health": steps(response(200)), **routes})
 
@@ -184,6 +187,64 @@ async def readyz_from(c: HostileGateway, client: tuple[str, int]) -> str:
     transport = httpx.ASGITransport(app=c.server.config.app, client=client)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
         return (await http.get("/readyz")).text
+
+
+LEAKY = b'{"error": {"message": "pg://db-7.internal.corp:5432: connection refused", "type": "server_error"}}'
+
+
+def leaky(status: int, **headers: str) -> Script:
+    return steps(response(status, LEAKY, {"content-type": "application/json", **headers}))
+
+
+def test_engine_5xx_bodies_are_relayed_as_they_are_by_default(hostile_gateway: HostileGatewayFactory) -> None:
+    engine_ = engine({"/v1/chat/completions": leaky(500)})
+    with engine_.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"bad": url})
+        r = httpx.post(c.url + "/v1/chat/completions", json=CHAT)
+    assert (r.status_code, r.content) == (500, LEAKY)
+
+
+def test_hidden_engine_errors_keep_the_status_and_withhold_the_body(
+    hostile_gateway: HostileGatewayFactory, gateway_log: pytest.LogCaptureFixture
+) -> None:
+    routes: dict[str, Script | Sequence[Script]] = {
+        "/v1/chat/completions": [
+            leaky(500),
+            leaky(503, **{"retry-after": "7"}),
+            leaky(502, **{"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}),  # only seconds are relayed
+        ],
+        "/v1/embeddings": leaky(500),  # a passthrough route: the same relay
+    }
+    engine_ = engine(routes)
+    with engine_.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"bad": url}, server={"hide_engine_errors": True})
+        got = []
+        for path, body, status in [
+            ("/v1/chat/completions", CHAT, 500),
+            ("/v1/chat/completions", CHAT, 503),
+            ("/v1/chat/completions", CHAT, 502),
+            ("/v1/embeddings", {"model": "m", "input": "x"}, 500),
+        ]:
+            gateway_log.clear()
+            r = httpx.post(c.url + path, json=body)
+            assert r.json() == {
+                "error": {
+                    "message": f"backend bad failed to answer (HTTP {status}); the details are withheld",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "engine_error",
+                }
+            }
+            assert b"internal" not in r.content
+            got.append((r.status_code, r.headers.get("retry-after")))
+            assert_one_line(
+                gateway_log, f"backend bad answered {status}; its body is withheld from the client"
+            )
+    assert got == [(500, None), (503, "7"), (502, None), (500, None)]
+    paths = [q.path for q in engine_.requests if q.path != "/health"]
+    assert paths == ["/v1/chat/completions"] * 3 + ["/v1/embeddings"]
+    assert c.gateway.metrics.tally.requests[("bad", RequestOutcome.HTTP_5XX)] == 4
+    assert c.gateway.registry.total_in_flight() == 0
 
 
 def test_a_well_behaved_engine_is_unaffected(hostile_gateway: HostileGatewayFactory) -> None:
