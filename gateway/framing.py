@@ -74,12 +74,21 @@ class BodyFrame(Protocol):
         """How many bytes of ``data`` belong to the body (all, unless it ends inside); they will be fed."""
         ...
 
+    @property
+    def done(self) -> bool:
+        """The body's last byte went by."""
+        ...
+
 
 class FixedLength:
     """A ``Content-Length`` body."""
 
     def __init__(self, length: int) -> None:
         self.left = length
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
 
     def piece(self, data: bytes) -> int:
         if self.left == 0:  # the parser disagrees about the end: let it have the rest
@@ -103,6 +112,10 @@ class ChunkedEnd:
         self.state = _SIZE
         self.left = 0  # data bytes of the current chunk (then its CRLF) still to come
         self.line = b""  # the start of a size or trailer line that a read cut in two
+
+    @property
+    def done(self) -> bool:
+        return self.state == _DONE
 
     def piece(self, data: bytes) -> int:
         pos, end = 0, len(data)

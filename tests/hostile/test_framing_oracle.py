@@ -280,3 +280,24 @@ def test_leading_empty_lines_are_ignored_where_h11_refuses_them(rig: Rig) -> Non
     rig.recorder.seen.clear()
     assert _exchange(rig.gateway.port, (b"\r\n\r\n" + LAST,)) == [200]
     assert [(s.method, s.target) for s in rig.recorder.seen] == [("GET", "/healthz")]
+
+
+def test_an_upgrade_is_refused_at_its_head_and_its_body_in_a_later_read_is_never_parsed(
+    rig: Rig, gateway_log: pytest.LogCaptureFixture
+) -> None:
+    """The body of a refused upgrade, sent only after the refusal arrived, is not read as a request."""
+    rig.recorder.seen.clear()
+    rig.engine.requests.clear()
+    gateway_log.clear()
+    with RawClient(rig.gateway.port) as raw:
+        raw.send(H2C[: -len(SMUGGLED)])
+        r = raw.read_response(5.0)
+        assert (r.status, r.error_code(), r.headers["connection"]) == (400, "invalid_request", "close")
+        assert r.json()["error"]["message"] == "protocol upgrade is not supported (Upgrade: 'h2c')"
+        with contextlib.suppress(OSError):
+            raw.send(SMUGGLED)
+        assert raw.wait_closed(5.0) == b""
+    assert rig.recorder.seen == [] and rig.engine.requests == []
+    assert [r.getMessage().split(": ", 1)[1] for r in lines(gateway_log)] == [
+        "400 invalid_request: protocol upgrade is not supported (Upgrade: 'h2c')"
+    ]

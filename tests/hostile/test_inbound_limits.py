@@ -61,6 +61,37 @@ def test_pipelined_small_requests_past_the_limit_in_one_packet_are_all_served(
         assert [raw.read_response().status for _ in range(100)] == [200] * 100
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        HEALTHZ,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(CHAT_BODY), CHAT_BODY),
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT_BODY), CHAT_BODY),
+    ],
+    ids=["behind-a-get", "behind-a-content-length-body", "behind-a-chunked-body"],
+)
+def test_a_head_over_the_limit_pipelined_in_the_same_write_is_431_too(
+    hostile_gateway: HostileGatewayFactory, gateway_log: pytest.LogCaptureFixture, first: bytes
+) -> None:
+    """The limit counts a head from its first byte wherever it starts in a read (150 KiB behind a
+    request in one write used to be served)."""
+    c = hostile_gateway()  # the default 64 KiB limit
+    gateway_log.clear()
+    with RawClient(c.port) as raw:
+        raw.send(first + _head_of(150 * 1024))
+        assert raw.read_response().status == 200
+        r = raw.read_response()
+        assert (r.status, r.error_code(), r.headers["connection"]) == (
+            431,
+            "request_header_too_large",
+            "close",
+        )
+        assert raw.wait_closed(3.0) == b""
+    assert_one_line(gateway_log, "431 request_header_too_large")
+
+
 def test_too_many_header_fields_is_431(hostile_gateway: HostileGatewayFactory) -> None:
     c = hostile_gateway(server={"max_headers": 10})
     ok = b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(9)) + b"\r\n"
