@@ -33,19 +33,24 @@ def head_refusal(method: bytes, version: str, headers: Sequence[tuple[bytes, byt
         return BadRequest("request line without an HTTP version (HTTP/0.9) is not supported")
     if version not in ("1.0", "1.1"):
         return HttpVersionNotSupported(f"HTTP/{version} is not supported; use HTTP/1.1")
-    hosts = sum(1 for name, _ in headers if name == b"host")
+    hosts, upgrade, te = 0, None, []
+    for name, value in headers:  # one pass: this runs for every request
+        if name == b"host":
+            hosts += 1
+        elif name == b"upgrade":
+            upgrade = value if upgrade is None else upgrade
+        elif name == b"transfer-encoding":
+            te.append(value)
     if hosts > 1:
         return BadRequest(f"request has {hosts} Host header fields; exactly one is allowed")
     if hosts == 0 and version == "1.1":
         return BadRequest("HTTP/1.1 request without a Host header field")
-    upgrade = next((value for name, value in headers if name == b"upgrade"), None)
     if upgrade is not None or method == b"CONNECT":
         what = f"Upgrade: {_quote(upgrade)}" if upgrade is not None else "CONNECT"
         return BadRequest(f"protocol upgrade is not supported ({what})")
-    te = [value for name, value in headers if name == b"transfer-encoding"]
-    codings = [coding.strip().lower() for value in te for coding in value.split(b",")]
-    if not codings:
+    if not te:
         return None
+    codings = [coding.strip().lower() for value in te for coding in value.split(b",")]
     if version == "1.0":
         return BadRequest("Transfer-Encoding in an HTTP/1.0 request")
     if codings[-1] != b"chunked" or codings.count(b"chunked") > 1:
@@ -62,16 +67,21 @@ def _quote(value: bytes) -> str:
     return repr(text + ("..." if len(value) > _QUOTE_AT_MOST else ""))
 
 
-def head_piece(tail: bytes, data: bytes) -> int:
-    """How many bytes of ``data`` to feed next while a head is in progress: up to its earliest possible end
-    (the first blank line; ``tail`` is the last bytes of it already fed, at most 3), else all of them."""
-    at = (tail + data).find(HEAD_END)
-    return len(data) if at < 0 else at + len(HEAD_END) - len(tail)
+def head_end(tail: bytes, data: bytes, start: int) -> int:
+    """Where to stop feeding ``data`` (from ``start``) while a head is in progress: at its earliest possible
+    end (the first blank line; ``tail`` is the last bytes of it already fed, at most 3), else at the end."""
+    if tail:  # a blank line that straddles two reads ends within the first 3 bytes of this one
+        at = (tail + data[start : start + 3]).find(HEAD_END)
+        if at >= 0:
+            return start + at + len(HEAD_END) - len(tail)
+    at = data.find(HEAD_END, start)
+    return len(data) if at < 0 else at + len(HEAD_END)
 
 
 class BodyFrame(Protocol):
-    def piece(self, data: bytes) -> int:
-        """How many bytes of ``data`` belong to the body (all, unless it ends inside); they will be fed."""
+    def end(self, data: bytes, start: int) -> int:
+        """Where the body's bytes in ``data`` from ``start`` stop (``len(data)`` unless the body ends
+        inside); they will all be fed."""
         ...
 
     @property
@@ -90,12 +100,12 @@ class FixedLength:
     def done(self) -> bool:
         return self.left == 0
 
-    def piece(self, data: bytes) -> int:
+    def end(self, data: bytes, start: int) -> int:
         if self.left == 0:  # the parser disagrees about the end: let it have the rest
             return len(data)
-        n = min(self.left, len(data))
+        n = min(self.left, len(data) - start)
         self.left -= n
-        return n
+        return start + n
 
 
 _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
@@ -117,8 +127,8 @@ class ChunkedEnd:
     def done(self) -> bool:
         return self.state == _DONE
 
-    def piece(self, data: bytes) -> int:
-        pos, end = 0, len(data)
+    def end(self, data: bytes, start: int) -> int:
+        pos, end = start, len(data)
         while pos < end:
             if self.state == _DONE:
                 return end

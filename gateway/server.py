@@ -44,7 +44,7 @@ from uvicorn.supervisors import Multiprocess
 
 from config.settings import Settings
 from gateway.errors import BadRequest, GatewayError, RequestHeaderTooLarge, RequestTimeout, ServerBusy
-from gateway.framing import BodyFrame, ChunkedEnd, FixedLength, head_piece, head_refusal
+from gateway.framing import BodyFrame, ChunkedEnd, FixedLength, head_end, head_refusal
 
 log = logging.getLogger("warmroute.server")
 
@@ -280,15 +280,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         if self._in_body:
             self._body_at = self.loop.time()
-        # One head, or one body, per feed: the parser never runs on into the next head unseen.
-        while data and not self._discarding:
+        # One head, or one body, per feed: the parser never runs on into the next head unseen. Pieces are
+        # views: many pipelined requests in one read cost no copies.
+        view, pos, size = memoryview(data), 0, len(data)
+        while pos < size and not self._discarding:
             if self._in_head:
-                data = self._feed_head(data)
-                continue
-            n = self._body.piece(data)
-            self._body_bytes += n
-            self._feed(data[:n] if n < len(data) else data)
-            data = data[n:]
+                end = self._head_piece(data, pos)
+            else:
+                end = self._body.end(data, pos)
+                self._body_bytes += end - pos
+            if not self._discarding:
+                self._feed(view[pos:end] if pos or end < size else data)
+            pos = end
         # Timers only for what is still incomplete after this chunk: a head or body that arrives whole
         # (the common case) costs none. The first head's timer runs from connection_made.
         if self._discarding:
@@ -299,20 +302,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             now = self._body_at = self._body_checked = self.loop.time()
             self._body_timer = self.loop.call_later(self._body_time_left(now), self._body_timed_out)
 
-    def _feed_head(self, data: bytes) -> bytes:
-        """Feed ``data`` up to the earliest end of the head in progress, or 431; returns the rest."""
-        n = head_piece(self._head_tail, data)
-        if self._head_bytes + n > self.limits.max_header_bytes:  # it cannot end within the limit
+    def _head_piece(self, data: bytes, start: int) -> int:
+        """Where the head in progress can end at the earliest; 431 if that is past the limit."""
+        end = head_end(self._head_tail, data, start)
+        if self._head_bytes + end - start > self.limits.max_header_bytes:
             limit = self.limits.max_header_bytes
             self._refuse(RequestHeaderTooLarge(f"request head is over {limit} bytes (request line included)"))
-            return b""
-        piece = data[:n] if n < len(data) else data
-        self._head_bytes += n  # before the feed: on_headers_complete resets both for the next head
-        self._head_tail = (self._head_tail + piece)[-3:]
-        self._feed(piece)
-        return data[n:]
+            return len(data)
+        self._head_bytes += end - start  # before the feed: on_headers_complete resets both for the next head
+        self._head_tail = (self._head_tail + data[max(start, end - 3) : end])[-3:]
+        return end
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes | memoryview) -> None:
         """uvicorn's ``data_received``, except that our limits answer their own status, JSON-shaped."""
         self._unset_keepalive_if_required()
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import HttpVersionNotSupported, UnsupportedTransferCoding
-from gateway.framing import ChunkedEnd, FixedLength, head_piece, head_refusal
+from gateway.framing import ChunkedEnd, FixedLength, head_end, head_refusal
 
 HEAD = b"POST / HTTP/1.1\r\nhost: x\r\n\r\n"
 NEXT = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -14,11 +14,11 @@ NEXT = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
 def _cuts(frame: ChunkedEnd | FixedLength, data: bytes, size: int) -> int:
     """Feed ``data`` in reads of ``size`` bytes; where the frame says the body ended."""
     for at in range(0, len(data), size):
-        read = data[at : at + size]
-        n = frame.piece(read)
+        read = b"junk" + data[at : at + size]  # a read that starts where an earlier message ended
+        end = frame.end(read, 4)
         if frame.done:
-            return at + n
-        assert n == len(read)
+            return at + end - 4
+        assert end == len(read)
     return len(data)
 
 
@@ -27,10 +27,10 @@ def test_a_head_ends_at_its_blank_line_however_it_is_read(size: int) -> None:
     data = HEAD + NEXT
     fed, tail = 0, b""
     while True:
-        read = data[fed : fed + size]
-        n = head_piece(tail, read)
-        assert 1 <= n <= len(read)
-        tail = (tail + read[:n])[-3:]
+        read = b"x\r\n\r" + data[fed : fed + size]  # bytes before ``start`` are not the head's
+        n = head_end(tail, read, 4) - 4
+        assert 1 <= n <= len(read) - 4
+        tail = (tail + read[4 : 4 + n])[-3:]
         fed += n
         if data[:fed].endswith(b"\r\n\r\n"):
             break
@@ -55,8 +55,8 @@ def test_a_chunked_body_ends_where_its_last_chunk_and_trailers_end(body: bytes, 
 
 def test_a_bad_chunk_size_ends_the_cut_there_for_the_parser_to_refuse() -> None:
     frame = ChunkedEnd()
-    assert frame.piece(b"zz\r\nhello\r\n0\r\n\r\n") == 4 and frame.done
-    assert frame.piece(b"more") == 4
+    assert frame.end(b"zz\r\nhello\r\n0\r\n\r\n", 0) == 4 and frame.done
+    assert frame.end(b"more", 0) == 4
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
