@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import h11
 import pytest
-from hostile_engine import HostileEngine, ok_json
+from hostile_engine import HostileEngine, ok_json, response, steps
 from hostile_net import PeerClosed, RawClient
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conftest import HostileGateway, lines, start_gateway
+from conftest import HostileGateway, HostileGatewayFactory, lines, start_gateway
 
 BODY = b'{"model": "m", "n": 1}'
 SMUGGLED = b"POST /admin/backends HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
@@ -194,6 +194,11 @@ class Recorder:
         await self.app(scope, recorded, send)
 
 
+def forwarded_to(engine: HostileEngine) -> list[tuple[str, str, bytes]]:
+    """What the engine was asked, its health probes left out."""
+    return [(r.method, r.path, r.body) for r in engine.requests if r.path != "/health"]
+
+
 @dataclass
 class Rig:
     gateway: HostileGateway
@@ -248,10 +253,10 @@ def test_the_gateway_reads_requests_as_h11_does_or_refuses(
     assert len(got) == case.served, (got, statuses)
     assert statuses[: case.served] == [200] * case.served
     forwarded = [s for s in want[: case.served] if s.target.startswith("/v1/")]
-    assert [(r.method, r.path, r.body) for r in rig.engine.requests] == [
-        (s.method, s.target, bytes(s.body)) for s in forwarded
-    ]
-    assert rig.engine.received.count(b" HTTP/1.1\r\n") == len(forwarded)  # the engine read nothing else
+    assert forwarded_to(rig.engine) == [(s.method, s.target, bytes(s.body)) for s in forwarded]
+    received = rig.engine.received
+    request_lines = received.count(b" HTTP/1.1\r\n") - received.count(b"GET /health HTTP/1.1\r\n")
+    assert request_lines == len(forwarded)  # the engine read nothing but these requests (and probes)
     if case.refused is None:
         assert (len(want), how) == (case.served, "close")  # h11 reads exactly these, then the close
         assert statuses == [200] * case.served
@@ -297,7 +302,25 @@ def test_an_upgrade_is_refused_at_its_head_and_its_body_in_a_later_read_is_never
         with contextlib.suppress(OSError):
             raw.send(SMUGGLED)
         assert raw.wait_closed(5.0) == b""
-    assert rig.recorder.seen == [] and rig.engine.requests == []
+    assert rig.recorder.seen == [] and forwarded_to(rig.engine) == []
     assert [r.getMessage().split(": ", 1)[1] for r in lines(gateway_log)] == [
         "400 invalid_request: protocol upgrade is not supported (Upgrade: 'h2c')"
     ]
+
+
+def test_a_refusal_behind_a_slow_request_waits_for_its_answer(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    """Pipelined: a request the engine answers late, then an upgrade. The 400 used to go out at once, as the
+    answer to the first request (which was then dropped); now the first is answered, then the 400."""
+    engine = HostileEngine({"/v1/slow": steps(0.3, response(200, b'{"late": true}'))}, ok_json({}))
+    with engine.serve() as url:
+        c = hostile_gateway(engines=[], raw_engines={"e": url})
+        slow = post(BODY).replace(b"/v1/echo", b"/v1/slow")
+        with RawClient(c.port) as raw:
+            raw.send(slow + H2C)
+            first = raw.read_response(5.0)
+            assert (first.status, first.body) == (200, b'{"late": true}')
+            assert raw.read_response(5.0).status == 400
+            assert raw.wait_closed(5.0) == b""
+    assert forwarded_to(engine) == [("POST", "/v1/slow", BODY)]
