@@ -456,6 +456,15 @@ class LimitsConfig(_Section):
     body_read_timeout_s: float = Field(
         default=30.0, gt=0, description="Longest silence while a client sends a request body (then 408)"
     )
+    body_deadline_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A request body must be complete this long after its head, plus 1 s per "
+        "body_min_bytes_per_s bytes received (a minimum rate); then 408",
+    )
+    body_min_bytes_per_s: int = Field(
+        default=16384, ge=1, description="The rate that earns a body more time than body_deadline_s"
+    )
 
 
 class UpstreamConfig(_Section):

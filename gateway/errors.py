@@ -56,6 +56,20 @@ class RequestHeaderTooLarge(GatewayError):
     code = "request_header_too_large"
 
 
+class UnsupportedTransferCoding(GatewayError):
+    """A request body in a transfer coding besides chunked (RFC 9112 §6.1): we cannot decode it."""
+
+    status = 501
+    type = "invalid_request_error"
+    code = "unsupported_transfer_coding"
+
+
+class HttpVersionNotSupported(GatewayError):
+    status = 505
+    type = "invalid_request_error"
+    code = "http_version_not_supported"
+
+
 class ServerBusy(GatewayError):
     """Refused at accept: the gateway holds as many client connections as it may."""
 

@@ -7,14 +7,22 @@ sockets until the process runs out of file descriptors. ``GatewayHttpProtocol`` 
 - a head deadline: from accept (or from the first byte of a keep-alive connection's next request) until
   the request head is complete. A socket that sent nothing is closed; one that sent part of a head gets 408.
   Idle keep-alive connections stay uvicorn's business (``timeout_keep_alive``).
-- a head size limit (request line included) and a header-count limit: 431 as soon as one is crossed.
-- a body-silence deadline: the longest pause while the client sends a body; then 408.
-- a cap on open connections: the one over it gets 503 at once and is closed, so idle sockets cannot
-  exhaust the process's descriptors and /healthz keeps answering.
+- a head size limit (request line included, counted from the head's first byte wherever it starts in a
+  read, pipelined or not) and a header-count limit: 431 as soon as one is crossed.
+- heads refused before dispatch (``gateway.framing``): protocol upgrades, a missing or repeated Host,
+  transfer codings besides chunked, HTTP/0.9; the connection closes and nothing after them is parsed.
+- body deadlines: the longest pause while the client sends a body, and a whole-body deadline that grows
+  with the bytes received (a minimum rate); then 408.
+- a cap on open connections: the one over it gets 503 and is closed, so idle sockets cannot exhaust the
+  process's descriptors. A few connections over the cap may still ask for /healthz (and nothing else),
+  so an orchestrator does not kill a gateway that slow clients hold at its cap.
+
+An error for a pipelined request waits until the requests before it are answered, so every answer goes
+to the request it belongs to.
 
 Cost on the hot path: one timer per connection (the first head's); later heads and bodies get one only
-if a chunk leaves them incomplete; a few comparisons per received chunk. Errors are OpenAI-shaped; each
-logs one line.
+if a chunk leaves them incomplete; a few comparisons and one ``find`` per received chunk. Errors are
+OpenAI-shaped; each logs one line.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from uvicorn.supervisors import Multiprocess
 
 from config.settings import Settings
 from gateway.errors import BadRequest, GatewayError, RequestHeaderTooLarge, RequestTimeout, ServerBusy
+from gateway.framing import BodyFrame, ChunkedEnd, FixedLength, head_end, head_refusal
 
 log = logging.getLogger("warmroute.server")
 
@@ -48,6 +57,10 @@ BUSY_LOG_EVERY_S = 10.0
 STARTUP_FAILURE = 3
 #: Descriptors besides client and upstream sockets: the interpreter, the event loop, listeners, Redis, logs.
 FD_RESERVE = 64
+#: Connections over ``max_connections`` that may still ask for /healthz (one request each, then closed),
+#: and how long such a connection may take to send its head.
+HEALTHZ_RESERVE = 8
+HEALTHZ_HEAD_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +70,8 @@ class InboundLimits:
     max_headers: int = 100
     max_connections: int = 2048
     body_read_timeout_s: float = 30.0
+    body_deadline_s: float = 30.0
+    body_min_bytes_per_s: int = 16384
 
     @classmethod
     def from_settings(cls, settings: Settings) -> InboundLimits:
@@ -67,6 +82,8 @@ class InboundLimits:
             max_headers=s.max_headers,
             max_connections=s.max_connections,
             body_read_timeout_s=settings.limits.body_read_timeout_s,
+            body_deadline_s=settings.limits.body_deadline_s,
+            body_min_bytes_per_s=settings.limits.body_min_bytes_per_s,
         )
 
 
@@ -89,6 +106,13 @@ class _Throttle:
         return count
 
 
+class _Reserve:
+    """How many connections over the cap are open now, for /healthz (shared by a worker's connections)."""
+
+    def __init__(self) -> None:
+        self.open = 0
+
+
 class GatewayConfig(uvicorn.Config):
     """uvicorn's Config plus our inbound limits. Pickled to each worker like any uvicorn Config."""
 
@@ -106,6 +130,7 @@ class GatewayConfig(uvicorn.Config):
         self.inbound_limits = limits
         self.needed_fds = needed_fds  # client cap + upstream pools + a reserve: what ``run`` asks the OS for
         self.busy_log = _Throttle(BUSY_LOG_EVERY_S)
+        self.healthz_reserve = _Reserve()
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> GatewayConfig:
@@ -119,6 +144,7 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> GatewayCon
         "server_header": False,
         "access_log": False,
         "proxy_headers": False,
+        "ws": "none",  # no route serves WebSockets; every upgrade is refused (gateway.framing)
         # On SIGTERM uvicorn stops accepting, then waits this long for requests in flight (then cancels them).
         "timeout_graceful_shutdown": server.shutdown_grace_s,
     }
@@ -187,10 +213,11 @@ class _Refused(Exception):
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with head/body deadlines, head limits and a connection cap.
+    """uvicorn's httptools protocol with head/body deadlines, head limits and checks, and a connection cap.
 
     State: ``_in_head`` from accept, and again from the end of each request, until its head is complete;
-    ``_in_body`` from then until the request's last body byte. ``_discarding`` once we answered an error.
+    ``_in_body`` from then until the request's last body byte. ``_discarding`` once we refused something:
+    nothing more is parsed. ``_owed``: that refusal, while earlier pipelined requests are still answered.
     """
 
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
@@ -198,42 +225,54 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if isinstance(config, GatewayConfig):
             self.limits = config.inbound_limits
             self.busy_log = config.busy_log
+            self.reserve = config.healthz_reserve
         else:
             self.limits = InboundLimits()
             self.busy_log = _Throttle(BUSY_LOG_EVERY_S)
+            self.reserve = _Reserve()
         self._in_head = True
         self._in_body = False
         self._discarding = False
+        self._reserved = False  # over the cap, admitted for /healthz only
         self._head_bytes = 0
-        self._heads = 0  # complete heads so far
+        self._head_tail = b""  # the last bytes of the head in progress (its end may straddle two reads)
         self._header_count = 0
+        self._body: BodyFrame = FixedLength(0)
+        self._body_bytes = 0
+        self._body_start = 0.0  # minus the time we were not reading: the client is not charged for it
         self._body_at = 0.0
+        self._body_checked = 0.0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refusal: GatewayError | None = None
+        self._owed: tuple[GatewayError, bool] | None = None
 
     # -- connection ---------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
-            self.transport = transport
-            self._discarding = True
-            cap = self.limits.max_connections
-            self._write_error(
-                ServerBusy(f"the gateway holds {cap} client connections, its limit; retry later")
-            )
-            transport.close()
-            if count := self.busy_log.due():
-                log.warning("refused %d connection(s): over the cap of %d open connections", count, cap)
-            return
+        timeout = self.limits.header_timeout_s
+        if len(self.connections) - self.reserve.open >= self.limits.max_connections:
+            if self.reserve.open >= HEALTHZ_RESERVE:
+                self.transport = transport
+                self._discarding = True
+                self._write_error(self._busy())
+                transport.close()
+                self._log_busy()
+                return
+            self.reserve.open += 1
+            self._reserved = True
+            timeout = min(timeout, HEALTHZ_HEAD_TIMEOUT_S)
         super().connection_made(transport)
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+        self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._head_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
+        if self._reserved:
+            self._reserved = False
+            self.reserve.open -= 1
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -241,14 +280,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         if self._in_body:
             self._body_at = self.loop.time()
-        elif self._in_head:
-            room = self.limits.max_header_bytes - self._head_bytes
-            if len(data) > room:
-                data = self._feed_head_limited(data, room)
+        # One head, or one body, per feed: the parser never runs on into the next head unseen. Pieces are
+        # views: many pipelined requests in one read cost no copies.
+        view, pos, size = memoryview(data), 0, len(data)
+        while pos < size and not self._discarding:
+            if self._in_head:
+                end = self._head_piece(data, pos)
             else:
-                self._head_bytes += len(data)
-        if data:
-            self._feed(data)
+                end = self._body.end(data, pos)
+                self._body_bytes += end - pos
+            if not self._discarding:
+                self._feed(view[pos:end] if pos or end < size else data)
+            pos = end
         # Timers only for what is still incomplete after this chunk: a head or body that arrives whole
         # (the common case) costs none. The first head's timer runs from connection_made.
         if self._discarding:
@@ -256,31 +299,27 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._in_head and self._head_bytes and self._head_timer is None:
             self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
         elif self._in_body and self._body_timer is None:
-            self._body_at = self.loop.time()
-            self._body_timer = self.loop.call_later(self.limits.body_read_timeout_s, self._body_timed_out)
+            now = self._body_at = self._body_checked = self.loop.time()
+            self._body_timer = self.loop.call_later(self._body_time_left(now), self._body_timed_out)
 
-    def _feed_head_limited(self, data: bytes, room: int) -> bytes:
-        """Feed what may still belong to the head; 431 unless the head ended there. Returns the rest."""
-        heads = self._heads
-        self._feed(data[:room])
-        if self._discarding:
-            return b""
-        if self._heads == heads:
+    def _head_piece(self, data: bytes, start: int) -> int:
+        """Where the head in progress can end at the earliest; 431 if that is past the limit."""
+        end = head_end(self._head_tail, data, start)
+        if self._head_bytes + end - start > self.limits.max_header_bytes:
             limit = self.limits.max_header_bytes
             self._refuse(RequestHeaderTooLarge(f"request head is over {limit} bytes (request line included)"))
-            return b""
-        return data[room:]
+            return len(data)
+        self._head_bytes += end - start  # before the feed: on_headers_complete resets both for the next head
+        self._head_tail = (self._head_tail + data[max(start, end - 3) : end])[-3:]
+        return end
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes | memoryview) -> None:
         """uvicorn's ``data_received``, except that our limits answer their own status, JSON-shaped."""
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+        except httptools.HttpParserUpgrade:  # not reached: on_headers_complete refuses every upgrade
+            self._refuse(BadRequest("protocol upgrade is not supported"))
         except httptools.HttpParserError as exc:
             self._refuse(self._refusal or BadRequest(f"invalid HTTP request: {exc}"))
 
@@ -298,14 +337,26 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        method = self.parser.get_method()
+        refusal = head_refusal(method, self.parser.get_http_version(), self.headers)
+        if refusal is None and self._reserved and not _is_healthz(method, self.url):
+            refusal = self._busy()
+        if refusal is not None:  # still _in_head: the refused request is not dispatched
+            self._refusal = refusal
+            raise _Refused
         self._in_head = False
         self._in_body = True
-        self._heads += 1
         self._head_bytes = 0
+        self._head_tail = b""
+        self._body = _body_frame(self.headers)
+        self._body_bytes = 0
+        self._body_start = self.loop.time()
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+        if self._reserved:
+            self.cycle.keep_alive = False  # one /healthz per reserved connection
 
     def on_message_complete(self) -> None:
         self._in_body = False
@@ -314,6 +365,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self._owed is not None and not self.pipeline:  # the last request before the refused one
+            err, linger = self._owed
+            self._owed = None
+            self.server_state.total_requests += 1
+            if not self.transport.is_closing():
+                self._answer(err, linger)
+            return
+        super().on_response_complete()
 
     # -- deadlines ----------------------------------------------------------------------------------------
 
@@ -332,6 +393,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         timeout = self.limits.header_timeout_s
         self._refuse(RequestTimeout(f"request head not complete within {timeout:g} s"), linger=False)
 
+    def _body_time_left(self, now: float) -> float:
+        """Seconds until the body is late: silent too long, or slower than the minimum rate allows."""
+        limits = self.limits
+        silence = self._body_at + limits.body_read_timeout_s
+        whole = self._body_start + limits.body_deadline_s + self._body_bytes / limits.body_min_bytes_per_s
+        return min(silence, whole) - now
+
     def _body_timed_out(self) -> None:
         self._body_timer = None
         if not self._in_body or self._discarding or self.transport.is_closing():
@@ -341,34 +409,65 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         now = self.loop.time()
         if self.flow.read_paused or cycle.waiting_for_100_continue:
-            self._body_at = now  # we are not reading (the app is behind), so the client may not send
+            # We are not reading (the app is behind), so the client may not send: charge it nothing.
+            self._body_at = now
+            self._body_start += now - self._body_checked
+        self._body_checked = now
         if cycle.response_complete:  # answered without reading it all; the rest of the body is moot
             self._discarding = True
             self.transport.close()
             return
-        silent = now - self._body_at
-        timeout = self.limits.body_read_timeout_s
-        if silent < timeout:
-            self._body_timer = self.loop.call_later(timeout - silent, self._body_timed_out)
+        left = self._body_time_left(now)
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._body_timed_out)
             return
-        self._refuse(
-            RequestTimeout(f"request body stalled: nothing received for {timeout:g} s"), linger=False
-        )
+        limits = self.limits
+        if now - self._body_at >= limits.body_read_timeout_s:
+            message = f"request body stalled: nothing received for {limits.body_read_timeout_s:g} s"
+        else:
+            message = (
+                f"request body too slow: {self._body_bytes} bytes in {now - self._body_start:.1f} s (the "
+                f"limit: {limits.body_deadline_s:g} s plus 1 s per {limits.body_min_bytes_per_s} bytes)"
+            )
+        self._refuse(RequestTimeout(message), linger=False)
 
     # -- answering ----------------------------------------------------------------------------------------
 
     def _refuse(self, err: GatewayError, *, linger: bool = True) -> None:
-        """Answer ``err`` (unless a response is already under way), then close; one log line."""
+        """Answer ``err`` (unless a response is already under way), then close; one log line. Nothing
+        received after it is parsed. Earlier pipelined requests are answered first."""
         if self._discarding or self.transport.is_closing():
             return
         self._discarding = True
+        if isinstance(err, ServerBusy):
+            self._log_busy()
+        else:
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "client"
+            log.info("%s: %d %s: %s", client, err.status, err.code, err.message)
+        if self._answer_later():
+            self._owed = (err, linger)
+            return
+        self._answer(err, linger)
+
+    def _answer_later(self) -> bool:
+        """True when an earlier request on this connection is still being answered (pipelining)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return False
+        if self._in_head:  # the refused request never got a cycle; ``cycle`` is the one before it
+            return True
+        for queued in self.pipeline:  # the refused request is ``cycle``, queued behind another: drop it
+            if queued[0] is cycle:
+                self.pipeline.remove(queued)
+                return True
+        return False
+
+    def _answer(self, err: GatewayError, linger: bool) -> None:
         cycle = self.cycle
         answering = cycle is not None and cycle.response_started and not cycle.response_complete
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends go nowhere
             cycle.message_event.set()
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "client"
-        log.info("%s: %d %s: %s", client, err.status, err.code, err.message)
         if answering:
             self.transport.close()
             return
@@ -379,6 +478,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         else:
             self.transport.close()
 
+    def _busy(self) -> ServerBusy:
+        cap = self.limits.max_connections
+        return ServerBusy(f"the gateway holds {cap} client connections, its limit; retry later")
+
+    def _log_busy(self) -> None:
+        if count := self.busy_log.due():
+            cap = self.limits.max_connections
+            log.warning("refused %d connection(s): over the cap of %d open connections", count, cap)
+
     def _write_error(self, err: GatewayError) -> None:
         body = err.body()
         head = [STATUS_LINE[err.status]]
@@ -387,3 +495,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
         head.append(b"connection: close\r\n\r\n")
         self.transport.write(b"".join(head) + body)
+
+
+def _is_healthz(method: bytes, target: bytes) -> bool:
+    return method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] == b"/healthz"
+
+
+def _body_frame(headers: list[tuple[bytes, bytes]]) -> BodyFrame:
+    """How the request's body is framed; the parser has checked the header values by now."""
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return ChunkedEnd()
+        if name == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    return FixedLength(length)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from starlette.types import ASGIApp
 
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
@@ -41,11 +42,13 @@ def start_gateway(
     stack: contextlib.ExitStack,
     engines: list[FakeEngine] | None = None,
     raw_engines: dict[str, str] | None = None,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
     **overrides: Any,
 ) -> HostileGateway:
     """Fake engine "a" (or ``engines``) and a gateway served through ``gateway.server.uvicorn_config`` (the
     real protocol class), with short deadlines unless overridden; all stopped when ``stack`` closes.
-    ``raw_engines``: backend id -> URL of an engine served elsewhere (a HostileEngine), model "m"."""
+    ``raw_engines``: backend id -> URL of an engine served elsewhere (a HostileEngine), model "m".
+    ``wrap``: ASGI middleware around the app, outermost (e.g. to record what the app was asked)."""
     fakes = engines if engines is not None else [FakeEngine("a")]
     urls = {f.name: stack.enter_context(serve(f.app()))[0] for f in fakes}
     backends = [{"id": f.name, "url": urls[f.name], "models": list(f.models)} for f in fakes]
@@ -58,7 +61,13 @@ def start_gateway(
     settings = load_settings(None, backends=backends, **overrides)
     app = create_app(settings)
     config = uvicorn_config(
-        app, settings, host="127.0.0.1", port=0, lifespan="on", log_config=None, log_level="warning"
+        wrap(app) if wrap else app,
+        settings,
+        host="127.0.0.1",
+        port=0,
+        lifespan="on",
+        log_config=None,
+        log_level="warning",
     )
     port, server = stack.enter_context(served(config))
     _uvicorn_to_caplog()

@@ -7,6 +7,7 @@
     with engine.serve() as url:
         ...
     engine.requests  # what the gateway sent, parsed
+    engine.received  # every byte of it, as read
 
 A script is ``async (request, conn) -> None``; ``steps(...)`` builds one from bytes to send, seconds to
 sleep and the markers HANG / CLOSE / RESET. After a script returns with the connection open, the engine
@@ -135,6 +136,7 @@ class HostileEngine:
     routes: Mapping[str, Script | Sequence[Script]] = field(default_factory=dict)
     default: Script = field(default_factory=lambda: steps(response(404, b"not found")))
     requests: list[RawRequest] = field(default_factory=list)
+    received: bytearray = field(default_factory=bytearray)  # every request byte read, all connections
     connections: int = 0  # accepted so far
     open: int = 0  # open now
     _served: dict[str, int] = field(default_factory=dict)
@@ -184,7 +186,7 @@ class HostileEngine:
         self.open += 1
         try:
             while not writer.is_closing():
-                request = await _read_request(reader)
+                request = await _read_request(reader, self.received)
                 if request is None:
                     return
                 self.requests.append(request)
@@ -197,22 +199,29 @@ class HostileEngine:
                 writer.close()
 
 
-async def _read_request(reader: asyncio.StreamReader) -> RawRequest | None:
+async def _read_request(reader: asyncio.StreamReader, log: bytearray) -> RawRequest | None:
     try:
         head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
+    except asyncio.IncompleteReadError as exc:
+        log += exc.partial
         return None
+    log += head
     lines = head.decode("latin-1").split("\r\n")
     method, path, _version = lines[0].split(" ", 2)
     headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ln)}
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = b""
-        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-            body += (await reader.readexactly(size + 2))[:-2]
-        await reader.readuntil(b"\r\n")
+        while size := int(_logged(log, await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+            body += _logged(log, await reader.readexactly(size + 2))[:-2]
+        _logged(log, await reader.readuntil(b"\r\n"))
     else:
-        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        body = _logged(log, await reader.readexactly(int(headers.get("content-length", "0"))))
     return RawRequest(method, path, headers, body)
+
+
+def _logged(log: bytearray, data: bytes) -> bytes:
+    log += data
+    return data
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

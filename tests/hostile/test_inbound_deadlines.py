@@ -126,6 +126,59 @@ def test_a_slow_but_steady_body_is_not_cut_off(c: HostileGateway) -> None:
     assert c.engines["a"].requests == [{"model": "m", "messages": [{"role": "user", "content": "hi"}]}]
 
 
+def _trickle(raw: RawClient, data: bytes, every_s: float, stop: threading.Event) -> threading.Thread:
+    def drip() -> None:
+        for i in range(len(data)):
+            if stop.wait(every_s):
+                return
+            try:
+                raw.send(data[i : i + 1])
+            except OSError:
+                return
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    return dripper
+
+
+def test_a_body_trickled_slower_than_the_minimum_rate_gets_408_at_the_whole_body_deadline(
+    hostile_gateway: HostileGatewayFactory, gateway_log: pytest.LogCaptureFixture
+) -> None:
+    """Never silent for the 0.5 s silence limit, yet slow: the whole-body deadline (1 s, plus 1 s per
+    1000 bytes) cuts it. It used to stay open, unanswered, for as long as the client liked."""
+    c = hostile_gateway(limits={"body_deadline_s": 1.0, "body_min_bytes_per_s": 1000})
+    stop = threading.Event()
+    with RawClient(c.port) as raw:
+        raw.send(CHAT_HEAD % len(CHAT_BODY))
+        gateway_log.clear()
+        started = time.monotonic()
+        dripper = _trickle(raw, CHAT_BODY, 0.1, stop)
+        try:
+            r = _timed_out(raw, 10.0)
+        finally:
+            stop.set()
+            dripper.join(2)
+    assert time.monotonic() - started >= 1.0
+    assert r.json()["error"]["message"].startswith("request body too slow: ")
+    assert c.engines["a"].requests == []
+    assert_one_line(gateway_log, "408 request_timeout: request body too slow")
+
+
+def test_a_body_faster_than_the_minimum_rate_may_take_longer_than_the_deadline(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    """Each byte buys 1/rate s: 64 bytes at about 40 B/s with a 0.3 s deadline and a 10 B/s minimum."""
+    c = hostile_gateway(limits={"body_deadline_s": 0.3, "body_min_bytes_per_s": 10})
+    with RawClient(c.port) as raw:
+        raw.send(CHAT_HEAD % len(CHAT_BODY) + CHAT_BODY[:8])
+        for i in range(8, len(CHAT_BODY), 8):
+            time.sleep(0.2)
+            raw.send(CHAT_BODY[i : i + 8])
+        r = raw.read_response(5.0)
+    assert r.status == 200, r
+    assert c.engines["a"].requests == [{"model": "m", "messages": [{"role": "user", "content": "hi"}]}]
+
+
 def test_a_client_that_waits_for_100_continue_gets_it_and_then_its_deadline(c: HostileGateway) -> None:
     with RawClient(c.port) as raw:
         raw.send(

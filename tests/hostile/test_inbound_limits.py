@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from hostile_net import RawClient, get
+from hostile_net import RawClient, get, post
+
+from gateway.server import HEALTHZ_RESERVE
 
 from conftest import HostileGatewayFactory, assert_one_line
 
@@ -59,13 +61,44 @@ def test_pipelined_small_requests_past_the_limit_in_one_packet_are_all_served(
         assert [raw.read_response().status for _ in range(100)] == [200] * 100
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        HEALTHZ,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(CHAT_BODY), CHAT_BODY),
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT_BODY), CHAT_BODY),
+    ],
+    ids=["behind-a-get", "behind-a-content-length-body", "behind-a-chunked-body"],
+)
+def test_a_head_over_the_limit_pipelined_in_the_same_write_is_431_too(
+    hostile_gateway: HostileGatewayFactory, gateway_log: pytest.LogCaptureFixture, first: bytes
+) -> None:
+    """The limit counts a head from its first byte wherever it starts in a read (150 KiB behind a
+    request in one write used to be served)."""
+    c = hostile_gateway()  # the default 64 KiB limit
+    gateway_log.clear()
+    with RawClient(c.port) as raw:
+        raw.send(first + _head_of(150 * 1024))
+        assert raw.read_response().status == 200
+        r = raw.read_response()
+        assert (r.status, r.error_code(), r.headers["connection"]) == (
+            431,
+            "request_header_too_large",
+            "close",
+        )
+        assert raw.wait_closed(3.0) == b""
+    assert_one_line(gateway_log, "431 request_header_too_large")
+
+
 def test_too_many_header_fields_is_431(hostile_gateway: HostileGatewayFactory) -> None:
     c = hostile_gateway(server={"max_headers": 10})
-    ok = b"GET /healthz HTTP/1.1\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(10)) + b"\r\n"
+    ok = b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(9)) + b"\r\n"
     with RawClient(c.port) as raw:
         assert raw.request(ok).status == 200
     with RawClient(c.port) as raw:
-        r = raw.request(ok.replace(b"\r\n\r\n", b"\r\nx-10: 1\r\n\r\n"))
+        r = raw.request(ok.replace(b"\r\n\r\n", b"\r\nx-9: 1\r\n\r\n"))
         assert (r.status, r.error_code()) == (431, "request_header_too_large")
         assert r.json()["error"]["message"] == "request has more than 10 headers"
 
@@ -132,7 +165,7 @@ def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_the_connection_over_the_cap_is_refused_at_once_and_healthz_answers_under_it(
+def test_over_the_cap_only_healthz_is_served_and_past_the_reserve_the_refusal_comes_at_once(
     hostile_gateway: HostileGatewayFactory, gateway_log: pytest.LogCaptureFixture
 ) -> None:
     c = hostile_gateway(server={"max_connections": 8, "header_timeout_s": 30})
@@ -143,14 +176,43 @@ def test_the_connection_over_the_cap_is_refused_at_once_and_healthz_answers_unde
         idle.append(RawClient(c.port))
         _until(lambda: c.open_connections() == 8)
         gateway_log.clear()
-        with RawClient(c.port) as refused:  # the 9th: an answer before it asked anything, then a close
-            r = refused.read_response(1.0)
-            assert (r.status, r.error_code()) == (503, "server_busy")
-            assert r.headers["connection"] == "close"
-            assert refused.wait_closed(1.0) == b""
-        assert httpx.get(c.url + "/healthz").status_code == 503  # a real client sees the 503 too
-        assert c.open_connections() == 8
-        assert_one_line(gateway_log, "over the cap of 8")  # two refusals, one line
+        with RawClient(c.port) as over:  # the 9th may ask for /healthz, once
+            r = over.request(HEALTHZ)
+            assert (r.status, r.headers["connection"]) == (200, "close")
+            assert over.wait_closed(1.0) == b""
+        with RawClient(c.port) as over:  # and for nothing else
+            r = over.request(post("/v1/chat/completions", CHAT_BODY))
+            assert (r.status, r.error_code(), r.headers["connection"]) == (503, "server_busy", "close")
+            assert over.wait_closed(1.0) == b""
+        assert c.engines["a"].requests == []
+        with _idle_sockets(c.port, HEALTHZ_RESERVE):  # the reserve, taken
+            _until(lambda: c.open_connections() == 8 + HEALTHZ_RESERVE)
+            with RawClient(c.port) as refused:  # past it: an answer before it asked anything, then a close
+                r = refused.read_response(1.0)
+                assert (r.status, r.error_code()) == (503, "server_busy")
+                assert r.headers["connection"] == "close"
+                assert refused.wait_closed(1.0) == b""
+            assert httpx.get(c.url + "/healthz").status_code == 503  # a real client sees the 503 too
+            assert c.open_connections() == 8 + HEALTHZ_RESERVE
+        assert_one_line(gateway_log, "over the cap of 8")  # three refusals, one line
+        _until(lambda: c.open_connections() == 8)
         idle.pop().close()
         _until(lambda: c.open_connections() == 7)
         assert get(c.port, "/healthz").status == 200
+
+
+def test_healthz_answers_while_slow_bodies_hold_every_connection(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    """Slow clients at the cap used to make every new client, /healthz included, get 503."""
+    c = hostile_gateway(server={"max_connections": 4}, limits={"body_read_timeout_s": 30})
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(CHAT_BODY)
+    with _idle_sockets(c.port, 4) as slow:
+        for s in slow:
+            s.send(head + CHAT_BODY[:5])
+        _until(lambda: c.open_connections() == 4)
+        for _ in range(3 * HEALTHZ_RESERVE):  # each reserved connection closes after its answer
+            assert get(c.port, "/healthz").status == 200
+        with RawClient(c.port) as other:
+            assert other.request(post("/v1/chat/completions", CHAT_BODY)).status == 503
+    assert c.engines["a"].requests == []

@@ -23,12 +23,23 @@ def test_settings_reach_the_protocol_and_survive_the_trip_to_a_worker() -> None:
         None,
         backends=BACKENDS,
         server={"header_timeout_s": 3, "max_header_bytes": 8192, "max_headers": 20, "max_connections": 50},
-        limits={"body_read_timeout_s": 7, "max_connections": 10},
+        limits={
+            "body_read_timeout_s": 7,
+            "body_deadline_s": 9,
+            "body_min_bytes_per_s": 100,
+            "max_connections": 10,
+        },
     )
     config = uvicorn_config("gateway.app:create_app_from_env", settings, factory=True, port=0)
     assert config.http is GatewayHttpProtocol
     want = InboundLimits(
-        header_timeout_s=3, max_header_bytes=8192, max_headers=20, max_connections=50, body_read_timeout_s=7
+        header_timeout_s=3,
+        max_header_bytes=8192,
+        max_headers=20,
+        max_connections=50,
+        body_read_timeout_s=7,
+        body_deadline_s=9,
+        body_min_bytes_per_s=100,
     )
     assert config.inbound_limits == want
     assert config.needed_fds == 50 + 10 * 2 + FD_RESERVE
@@ -39,7 +50,9 @@ def test_settings_reach_the_protocol_and_survive_the_trip_to_a_worker() -> None:
 
 
 def test_defaults_are_the_documented_ones() -> None:
-    assert InboundLimits.from_settings(load_settings(None)) == InboundLimits(10.0, 65536, 100, 2048, 30.0)
+    assert InboundLimits.from_settings(load_settings(None)) == InboundLimits(
+        10.0, 65536, 100, 2048, 30.0, 30.0, 16384
+    )
 
 
 def test_the_open_file_limit_is_raised_towards_what_the_caps_need() -> None:
