@@ -22,8 +22,8 @@ from routing.types import Reason
 SSE = b"text/event-stream"
 DONE = b"data: [DONE]\n\n"
 
-#: Largest non-streamed reply read whole to be rewritten (a chat completion is a few KiB; 16 MiB is a very long
-#: one with many choices). A larger one is refused, never held.
+#: Largest non-streamed reply read whole to be rewritten (a chat completion is a few KiB; 16 MiB is a very
+#: long one with many choices). A larger one is refused, never held.
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 
 #: Engine response headers a client relies on (rate limits, back-off, redirects, correlation).
