@@ -27,7 +27,8 @@ _CR = 0x0D
 _LF = 0x0A
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs twice as much, and one is built per event. Read-only.
+@dataclass(slots=True)
 class Event:
     """One whole event, its closing blank line included, as the engine sent it.
 
@@ -56,7 +57,7 @@ class Event:
         return b"\n" if found is None else found.group()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Overflow:
     """A part of an event larger than the bound, handed on unread, as it arrived."""
 
@@ -89,6 +90,17 @@ class EventSplitter:
         n = len(chunk)
         if not n:
             return out
+        if (
+            chunk.endswith(b"\n\n")
+            and self._bol
+            and not self._held
+            and not self._passing
+            and chunk.find(b"\n\n") == n - 2
+            and chunk[0] != _LF
+            and b"\r" not in chunk
+        ):
+            self._cr = False
+            return [Event(chunk)]  # the common read: exactly one event, LF-framed
         pos = start = 0
         if self._cr and chunk[0] == _LF:
             pos = 1  # already counted with its CR

@@ -177,3 +177,12 @@ def test_close_hands_back_the_unterminated_rest_and_resets() -> None:
     assert splitter.close() == b"data: a\r"
     assert splitter.buffered == 0
     assert splitter.feed(b"\ndata: b\n\n") == [Event(b"\n"), Event(b"data: b\n\n")]  # no CR pending now
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(STREAMS.map(lambda s: s.replace(b"\r", b"") + b"\n\n"), max_size=12))
+def test_one_lf_framed_event_per_read_is_split_as_the_stream_would_be(events: list[bytes]) -> None:
+    stream = b"".join(events)
+    pieces, rest, _ = split(events)  # reads that are often exactly one event: the quick path
+    assert b"".join(p.raw for p in pieces) + rest == stream
+    assert event_lines(pieces) == reference(stream) == event_lines(split([stream])[0])
