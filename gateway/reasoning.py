@@ -11,7 +11,7 @@ from starlette.types import Message
 
 from config.settings import ReasoningFields
 from gateway.context import RequestContext, canonical_json
-from gateway.relay import MAX_REPLY_BYTES, Rewrite, read_reply
+from gateway.relay import MAX_REPLY_BYTES, Rewrite, read_reply, reply_too_large
 from gateway.sse import MAX_EVENT_BYTES, Event, EventSplitter
 
 CHAT_PATH = "/v1/chat/completions"
@@ -74,12 +74,18 @@ class ReasoningRelay:
         self.max_event_bytes = max_event_bytes
 
     def wrap(self, ctx: RequestContext, sse: bool, head: Message, chunks: AsyncIterator[bytes]) -> Rewrite:
+        """What to relay instead; ``UpstreamReplyTooLarge`` when the head says the body is too large."""
         if ctx.body is None or not ctx.path.startswith(CHAT_PATH) or not self.thinks(ctx.model):
             return Rewrite(head, chunks)
         if sse:
             return Rewrite(head, self._stream(chunks))
-        headers = [(k, v) for k, v in head["headers"] if k != b"content-length"]
         backend = "" if ctx.lease is None else ctx.lease.backend.id
+        headers = []
+        for name, value in head["headers"]:
+            if name != b"content-length":
+                headers.append((name, value))
+            elif value.isdigit() and int(value) > self.max_reply_bytes:  # refused before reading any of it
+                raise reply_too_large(backend, self.max_reply_bytes)
         return Rewrite({**head, "headers": headers}, self._whole(chunks, backend), whole=True)
 
     async def _whole(self, chunks: AsyncIterator[bytes], backend: str) -> AsyncIterator[bytes]:

@@ -66,12 +66,16 @@ async def read_reply(chunks: AsyncIterator[bytes], limit: int, backend: str) -> 
     async for chunk in chunks:
         size += len(chunk)
         if size > limit:
-            raise UpstreamReplyTooLarge(
-                f"backend {backend} sent a reply larger than {limit} bytes; the gateway does not hold one "
-                "that large to rewrite it (ask for a stream)"
-            )
+            raise reply_too_large(backend, limit)
         parts.append(chunk)
     return b"".join(parts)
+
+
+def reply_too_large(backend: str, limit: int) -> UpstreamReplyTooLarge:
+    return UpstreamReplyTooLarge(
+        f"backend {backend} sent a reply larger than {limit} bytes; the gateway does not hold one that large "
+        "to rewrite it (ask for a stream)"
+    )
 
 
 class Expiry(StrEnum):

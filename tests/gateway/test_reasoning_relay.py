@@ -261,3 +261,16 @@ async def test_an_unterminated_oversized_event_passes_through_as_it_comes() -> N
         b"\r\n\r\ndata: " + chunk({"reasoning": "x", "reasoning_content": "x"}) + b"\r\n\r\n",
     ]
     assert ctx.outcome.value == "ok" and proxy.registry.total_in_flight() == 0
+
+
+async def test_a_reply_whose_head_says_it_is_too_large_is_refused_unread() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply(200, [*JSON, (b"content-length", b"1001")], [b"{" + b" " * 999 + b"}"]))
+    proxy = make_proxy(fake, relay(max_reply_bytes=1000), read_s=30)
+    client = Client()
+    await client.run(proxy, context(stream=False))
+    assert client.status == 502
+    assert json.loads(client.body)["error"]["code"] == "upstream_reply_too_large"
+    (response,) = fake.responses
+    assert response.closed and len(response.steps) == 1  # not a byte of the body read
+    assert proxy.registry.total_in_flight() == 0
