@@ -105,6 +105,9 @@ class ReasoningRelay:
     async def _stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         splitter = EventSplitter(self.max_event_bytes)
         async for raw in chunks:
+            if b"reasoning" not in raw and splitter.whole(raw):
+                yield raw  # whole events without reasoning: as they came
+                continue
             pieces = splitter.feed(raw)
             if pieces:
                 yield b"".join(self._event(p) if isinstance(p, Event) else p.raw for p in pieces)

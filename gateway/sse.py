@@ -85,6 +85,14 @@ class EventSplitter:
         """Bytes held back (the start of an event not yet ended)."""
         return self._size
 
+    def whole(self, chunk: bytes) -> bool:
+        """Take ``chunk`` unsplit when it is whole events: True when nothing is held before it and it ends
+        with a blank line (LF LF, or CRLF CRLF). The caller then hands it on as it is, events unseen."""
+        if self._held or self._passing or not chunk.endswith((b"\n\n", b"\r\n\r\n")):
+            return False
+        self._cr = False  # and _bol stays True: nothing of a next line yet
+        return True
+
     def feed(self, chunk: bytes) -> list[Piece]:
         out: list[Piece] = []
         n = len(chunk)

@@ -186,3 +186,25 @@ def test_one_lf_framed_event_per_read_is_split_as_the_stream_would_be(events: li
     pieces, rest, _ = split(events)  # reads that are often exactly one event: the quick path
     assert b"".join(p.raw for p in pieces) + rest == stream
     assert event_lines(pieces) == reference(stream) == event_lines(split([stream])[0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(STREAMS, st.lists(st.integers(0, 400), max_size=30))
+def test_reads_taken_whole_leave_the_splitter_where_feeding_them_would(stream: bytes, at: list[int]) -> None:
+    splitter, seen = EventSplitter(), []
+    for read in cut(stream, at):
+        if splitter.whole(read):
+            seen += reference(read)  # whole events: they parse alone as they do in the stream
+        else:
+            seen += event_lines(splitter.feed(read))
+    splitter.close()
+    assert seen == reference(stream)
+
+
+def test_whole_takes_only_reads_that_start_and_end_at_an_event_boundary() -> None:
+    splitter = EventSplitter()
+    assert splitter.whole(b"data: a\n\ndata: b\n\n") and splitter.whole(b"data: c\r\n\r\n")
+    assert splitter.feed(b"data: d") == []
+    assert not splitter.whole(b"\n\n")  # it ends the held event: that one must be split
+    assert splitter.feed(b"\n\n") == [Event(b"data: d\n\n")]
+    assert not splitter.whole(b"data: e\r\r")  # CR framing: split
