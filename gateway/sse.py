@@ -104,6 +104,7 @@ class EventSplitter:
             and not self._held
             and not self._passing
             and chunk.find(b"\n\n") == n - 2
+            and n <= self.max_event
             and chunk[0] != _LF
             and b"\r" not in chunk
         ):

@@ -169,6 +169,7 @@ def test_a_complete_event_over_the_bound_in_one_read_is_an_overflow() -> None:
         Overflow(b"data: " + b"z" * 20 + b"\n\n"),
         Event(b"data: ok\n\n"),
     ]
+    assert splitter.feed(b"data: " + b"z" * 20 + b"\n\n") == [Overflow(b"data: " + b"z" * 20 + b"\n\n")]
 
 
 def test_close_hands_back_the_unterminated_rest_and_resets() -> None:
