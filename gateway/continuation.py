@@ -28,12 +28,23 @@ from starlette.types import Message, Send
 
 from config.settings import ThinkingConfig, TimeoutConfig
 from gateway.context import RequestContext, canonical_json
-from gateway.errors import BadRequest, UpstreamError, UpstreamTimeout
+from gateway.errors import BadRequest, UpstreamError, UpstreamReplyTooLarge, UpstreamTimeout
 from gateway.metrics import Metrics
 from gateway.outcomes import RequestOutcome
 from gateway.proxy import upstream_headers
 from gateway.reasoning import normalise, reasoning_of, write_reasoning
-from gateway.relay import DONE, Expiry, SilenceWatch, body, response_head, send_error, sse_error
+from gateway.relay import (
+    DONE,
+    MAX_REPLY_BYTES,
+    Expiry,
+    SilenceWatch,
+    body,
+    read_reply,
+    response_head,
+    send_error,
+    sse_error,
+)
+from gateway.sse import EventSplitter, Overflow
 from gateway.transport import TransportResponse, UpstreamTransport, UpstreamTransportError
 
 if TYPE_CHECKING:
@@ -135,7 +146,7 @@ class Continuation:
 
     async def _whole(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
         assert ctx.body is not None and ctx.thinking is not None
-        first = json.loads(await _read(upstream))
+        first = json.loads(await _read(ctx, upstream))
         ctx.first_byte_at = ctx.first_byte_at or time.monotonic()
         choice = first["choices"][0]
         message = choice["message"]
@@ -148,9 +159,9 @@ class Continuation:
             return
         second_resp = await self._phase2(ctx, upstream, phase, stream=False)
         if second_resp.status != 200:
-            await self._send_raw(ctx, second_resp, send, await _read(second_resp))
+            await self._send_raw(ctx, second_resp, send, await _read(ctx, second_resp))
             return
-        second = json.loads(await _read(second_resp))
+        second = json.loads(await _read(ctx, second_resp))
         choice2 = second["choices"][0]
         answer = (reasoning_of(choice2["message"]) or "") + (choice2["message"].get("content") or "")
         out_message = dict(message)
@@ -192,7 +203,7 @@ class Continuation:
         ctx.responded = True
         await send(head)
         phase = _Phase()
-        async for chunk in _chunks(upstream):
+        async for chunk in _chunks(ctx, upstream):
             ctx.first_byte_at = ctx.first_byte_at or time.monotonic()
             if not phase.envelope:
                 phase.envelope = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
@@ -216,7 +227,7 @@ class Continuation:
         if second.status != 200:
             raise UpstreamError(f"backend {_backend(ctx)} refused the continuation ({second.status})")
         tail = _Phase()
-        async for chunk in _chunks(second):
+        async for chunk in _chunks(ctx, second):
             if _take_usage(chunk, tail):
                 continue
             choice = chunk["choices"][0]
@@ -369,22 +380,22 @@ async def _emit(send: Send, chunk: dict[str, Any]) -> None:
     await send(body(b"data: " + canonical_json(chunk) + b"\n\n", more=True))
 
 
-async def _read(response: TransportResponse) -> bytes:
-    parts = [chunk async for chunk in response.aiter_raw()]
-    return b"".join(parts)
+async def _read(ctx: RequestContext, response: TransportResponse) -> bytes:
+    return await read_reply(response.aiter_raw(), MAX_REPLY_BYTES, _backend(ctx))
 
 
-async def _chunks(response: TransportResponse) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(ctx: RequestContext, response: TransportResponse) -> AsyncIterator[dict[str, Any]]:
     """The JSON payloads of an SSE stream, up to ``[DONE]``."""
-    buffer = b""
+    splitter = EventSplitter()
     async for raw in response.aiter_raw():
-        buffer += raw.replace(b"\r\n", b"\n")
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield json.loads(data)
+        for piece in splitter.feed(raw):
+            if isinstance(piece, Overflow):
+                raise UpstreamReplyTooLarge(
+                    f"backend {_backend(ctx)} sent an event larger than {splitter.max_event} bytes"
+                )
+            data = piece.data()
+            if data is None:
+                continue  # a comment, or bytes between events
+            if data.strip() == b"[DONE]":
+                return
+            yield json.loads(data)

@@ -112,6 +112,12 @@ class UpstreamBusy(UpstreamError):
     code = "upstream_busy"
 
 
+class UpstreamReplyTooLarge(UpstreamError):
+    """The engine's reply is larger than the gateway holds to rewrite it (a non-streamed body)."""
+
+    code = "upstream_reply_too_large"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

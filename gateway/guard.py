@@ -10,18 +10,19 @@ is rolling: for each period p <= ``max_period`` it counts how many deltas in a r
 before; a unit of p deltas repeated ``repeat_count`` times trips it. Whitespace around a delta is ignored
 (" duct" and "duct" are one token), empty deltas (the role chunk) are skipped.
 
-Only complete SSE events are looked at (bytes after the last blank line wait for the next chunk), so an
-event split across reads is neither missed nor counted twice. A non-streamed body is scanned only for
-``finish_reason``, chunk by chunk (a key split across two reads is missed: rare, and only a count).
+Only complete SSE events are looked at (``gateway.sse``: any line ends; an event's start waits for its end),
+so an event split across reads is neither missed nor counted twice; one larger than 64 KiB is not looked
+at. A non-streamed body is scanned only for ``finish_reason``, chunk by chunk (a key split across two reads
+is missed: rare, and only a count).
 """
 
 from __future__ import annotations
 
 from config.settings import GuardConfig
+from gateway.sse import Event, EventSplitter
 
 _FINISH = b'"finish_reason":'
-_EVENT_END = b"\n\n"
-_MAX_CARRY = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
+_MAX_EVENT = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
 _BACKSLASH = 0x5C
 _QUOTE = 0x22
 #: A finish_reason that is a string, in either spelling (anywhere in the read: events may be packed).
@@ -33,7 +34,7 @@ FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "f
 class StreamGuard:
     """One response's guard. ``feed`` every chunk; ``tripped`` once it is degenerate."""
 
-    __slots__ = ("_carry", "_history", "_key", "_max_period", "_needed", "_runs", "finish", "sse", "tripped")
+    __slots__ = ("_events", "_history", "_key", "_max_period", "_needed", "_runs", "finish", "sse", "tripped")
 
     def __init__(self, cfg: GuardConfig, *, completions: bool, sse: bool) -> None:
         self._key = b'"text":' if completions else b'"content":'
@@ -41,7 +42,7 @@ class StreamGuard:
         self._needed = [p * (cfg.repeat_count - 1) for p in range(cfg.max_period + 1)]
         self._runs = [0] * (cfg.max_period + 1)
         self._history: list[bytes] = []
-        self._carry = b""
+        self._events = EventSplitter(_MAX_EVENT)
         self.sse = sse
         self.finish: list[str] = []  # finish_reason values seen (bounded labels)
         self.tripped: bytes | None = None  # the repeated unit, once tripped
@@ -51,12 +52,11 @@ class StreamGuard:
         if not self.sse:
             self._finish_reasons(chunk, len(chunk))
             return False
-        data = self._carry + chunk if self._carry else chunk
-        end = data.rfind(_EVENT_END)
-        if end < 0:
-            self._carry = data if len(data) <= _MAX_CARRY else b""
+        events = [piece.raw for piece in self._events.feed(chunk) if isinstance(piece, Event)]
+        if not events:
             return False
-        self._carry = data[end + 2 :] if end + 2 < len(data) else b""
+        data = events[0] if len(events) == 1 else b"".join(events)
+        end = len(data)
         if self.tripped is None and self._pieces(data, end):
             return True
         if _FINISH_STRING[0] in data or _FINISH_STRING[1] in data:  # most events carry ``null`` there

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.outcomes import RequestOutcome
+from gateway.sse import Event, EventSplitter
 from routing.keys import REPLY_CHARS, reply_text
 from routing.types import Reason
 
@@ -28,6 +29,7 @@ _DECODER = json.JSONDecoder()
 # a plain body, so a long reasoning prelude costs a bounded amount (the reply then stays unknown).
 _REPLY_EVENTS = 256
 _REPLY_HEAD_BYTES = 16384
+_REPLY_EVENT_BYTES = 64 * 1024  # a larger event is not looked into (a reply delta is a few bytes)
 _CONTENT = b'"content"'
 _ARGUMENTS = b'"arguments"'
 
@@ -88,8 +90,8 @@ class ResponseTap:
     __slots__ = (
         "_args",
         "_content",
+        "_events",
         "_head",
-        "_partial",
         "_plain",
         "_seeking",
         "_tail",
@@ -104,7 +106,7 @@ class ResponseTap:
         self._seeking = reply
         self._plain: bool | None = None  # a JSON body (True) or a stream (False); None: no byte seen yet
         self._head = b""  # a plain body's first bytes (only while seeking)
-        self._partial = b""  # an SSE line cut by the chunk boundary
+        self._events: EventSplitter | None = None  # a stream's events (only while seeking)
         self._content = ""
         self._args = ""
 
@@ -137,14 +139,16 @@ class ResponseTap:
             self._head += chunk[: _REPLY_HEAD_BYTES - len(self._head)]
             self._seeking = len(self._head) < _REPLY_HEAD_BYTES
             return
-        data = self._partial + chunk
-        cut = data.rfind(b"\n") + 1
-        self._partial = data[cut:][-_TAIL_BYTES:]
-        for line in data[:cut].split(b"\n"):
-            if _CONTENT in line or _ARGUMENTS in line:
-                self._take(line)
+        if self._events is None:
+            self._events = EventSplitter(_REPLY_EVENT_BYTES)
+        for event in self._events.feed(chunk):
+            if isinstance(event, Event) and (_CONTENT in event.raw or _ARGUMENTS in event.raw):
+                for line in event.lines():
+                    if _CONTENT in line or _ARGUMENTS in line:
+                        self._take(line)
         if len(self._content) >= REPLY_CHARS or self.events > _REPLY_EVENTS:
             self._seeking = False
+            self._events = None
 
     def _take(self, line: bytes) -> None:
         at = line.find(_CONTENT)

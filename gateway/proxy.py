@@ -26,10 +26,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from starlette.types import Receive, Send
+from starlette.types import Message, Receive, Send
 
 from backends.registry import Registry
 from config.settings import GuardAction, GuardConfig, TimeoutConfig
@@ -42,13 +42,14 @@ from gateway.errors import (
     NoHealthyBackend,
     UpstreamBusy,
     UpstreamError,
+    UpstreamReplyTooLarge,
     UpstreamTimeout,
 )
 from gateway.guard import StreamGuard
 from gateway.metrics import Metrics
 from gateway.observe import Observation, Observer, ResponseTap
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
-from gateway.relay import Expiry, SilenceWatch, body, response_head, send_error, sse_error
+from gateway.relay import Expiry, Rewrite, SilenceWatch, body, response_head, send_error, sse_error
 from gateway.state import AffinityStore, StoreView
 from gateway.transport import (
     TransportResponse,
@@ -317,18 +318,18 @@ class Proxy:
             await self._withhold(ctx, upstream, send)
             return
         sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
-        chunks = upstream.aiter_raw()
-        if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
-            head, chunks = self.reasoning.wrap(ctx, sse, head, chunks)
-        ctx.responded = True
         if self.observers:
             ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn)
-        await send(head)
-        error = await self._pump(ctx, chunks, send, self._guard_for(ctx, sse))
+        error = await self._pump(ctx, upstream, sse, head, send)
         if error is None:
             ctx.outcome = _answered(upstream.status)
             ctx.finishing = True
             await send(body(b"", more=False))
+            return
+        if not ctx.responded:  # a body read whole was refused before its head went: a proper error response
+            ctx.outcome = _outcome_of(error)
+            ctx.finishing = ctx.responded = True
+            await send_error(send, error)
             return
         ctx.outcome = RequestOutcome.MID_STREAM_ERROR
         if sse:
@@ -349,18 +350,24 @@ class Proxy:
         await send_error(send, EngineFailed(backend, upstream.status, upstream.header(b"retry-after")))
 
     async def _pump(
-        self, ctx: RequestContext, chunks: AsyncIterator[bytes], send: Send, guard: StreamGuard | None
+        self, ctx: RequestContext, upstream: TransportResponse, sse: bool, head: Message, send: Send
     ) -> UpstreamError | None:
-        """Stream the body through; None when it ended properly, else why it ended early.
+        """Send the head and stream the body through; None when it ended properly, else why it ended early.
 
-        Engine silence is timed (``read_s``), the client's reading is not; ``request_s`` bounds the whole.
+        Engine silence is timed on the bytes the engine sends (``read_s``), whatever a body filter holds
+        back; the client's reading is not timed; ``request_s`` bounds the whole.
         """
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
+        guard, tap = self._guard_for(ctx, sse), ctx.tap
         watch = SilenceWatch.for_request(ctx, self.timeouts)
-        tap = ctx.tap
+        relayed = Rewrite(head, watch.heard(upstream.aiter_raw()))
         try:
-            async for chunk in chunks:
+            if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
+                relayed = self.reasoning.wrap(ctx, sse, head, relayed.chunks)
+            if not relayed.whole:
+                await _send_head(ctx, send, relayed.head, watch)
+            async for chunk in relayed.chunks:
                 if ctx.first_byte_at is None:
                     ctx.first_byte_at = time.monotonic()
                     ctx.lease.first_byte()  # its prefill is no longer queued on the engine
@@ -372,6 +379,8 @@ class Proxy:
                     return UpstreamError(
                         f"backend {backend} output degenerated: {guard.unit()!r} repeated; stream ended"
                     )
+                if not ctx.responded:
+                    await _send_head(ctx, send, relayed.head, watch)
                 watch.sending = True
                 await send(body(chunk, more=True))
                 watch.chunk_sent()
@@ -383,6 +392,9 @@ class Proxy:
             if watch.fired is Expiry.DEADLINE:
                 failure = f"did not finish within request_s={self.timeouts.request_s:g}s"
             error: UpstreamError = UpstreamTimeout(f"backend {backend} {failure}")
+        except UpstreamReplyTooLarge as exc:
+            log.warning("%s", exc.message)
+            return exc  # the engine answered: too large to rewrite is no failure of its health
         except UpstreamReadError as exc:
             log.warning("backend %s broke mid-response: %s", backend, exc)
             error = UpstreamError(f"backend {backend} failed mid-stream (the connection broke)")
@@ -483,6 +495,13 @@ def _outcome_of(err: GatewayError) -> RequestOutcome:
     if isinstance(err, NoHealthyBackend):
         return RequestOutcome.NO_BACKEND
     return RequestOutcome.REJECTED
+
+
+async def _send_head(ctx: RequestContext, send: Send, head: Message, watch: SilenceWatch) -> None:
+    ctx.responded = True
+    watch.sending = True  # a client slow to take it is not a silent engine
+    await send(head)
+    watch.chunk_sent()
 
 
 async def _watch_disconnect(receive: Receive, ctx: RequestContext) -> None:

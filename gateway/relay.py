@@ -1,4 +1,5 @@
-"""The relay phase's parts: which response headers reach the client, and the watch on engine silence.
+"""The relay phase's parts: which response headers reach the client, the watch on engine silence, and
+what a body filter hands back.
 
 The body itself is pumped by ``Proxy._relay``; what is here has no state beyond one response.
 """
@@ -6,18 +7,24 @@ The body itself is pumped by ``Proxy._relay``; what is here has no state beyond 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from enum import StrEnum
 
 from starlette.types import Message, Send
 
 from config.settings import TimeoutConfig
 from gateway.context import RequestContext
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamReplyTooLarge
 from gateway.transport import TransportResponse
 from routing.types import Reason
 
 SSE = b"text/event-stream"
 DONE = b"data: [DONE]\n\n"
+
+#: Largest non-streamed reply read whole to be rewritten (a chat completion is a few KiB; 16 MiB is a very
+#: long one with many choices). A larger one is refused, never held.
+MAX_REPLY_BYTES = 16 * 1024 * 1024
 
 #: Engine response headers a client relies on (rate limits, back-off, redirects, correlation).
 _RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
@@ -37,6 +44,38 @@ def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> 
     headers.append((b"x-warmroute-backend", backend.encode()))
     headers.append((b"x-warmroute-route", reason.value.encode()))
     return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """What a body filter makes of a response: the head and body to relay.
+
+    ``whole``: the body comes as one chunk once the engine's is read, and the head waits for it, so a
+    refusal on the way (``UpstreamReplyTooLarge``) is still a proper error response.
+    """
+
+    head: Message
+    chunks: AsyncIterator[bytes]
+    whole: bool = False
+
+
+async def read_reply(chunks: AsyncIterator[bytes], limit: int, backend: str) -> bytes:
+    """The whole body, or ``UpstreamReplyTooLarge`` as soon as it passes ``limit`` bytes (never held)."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise reply_too_large(backend, limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def reply_too_large(backend: str, limit: int) -> UpstreamReplyTooLarge:
+    return UpstreamReplyTooLarge(
+        f"backend {backend} sent a reply larger than {limit} bytes; the gateway does not hold one that large "
+        "to rewrite it (ask for a stream)"
+    )
 
 
 class Expiry(StrEnum):
@@ -70,6 +109,13 @@ class SilenceWatch:
         assert ctx.task is not None
         deadline = asyncio.get_running_loop().time() + ctx.remaining(timeouts.request_s)
         return cls(ctx.task, timeouts.read_s, deadline)
+
+    async def heard(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """``chunks`` as they are read from the engine, each one proof it is alive, whatever a body filter
+        after this holds back (an SSE event not ended yet, a body read whole)."""
+        async for chunk in chunks:
+            self.last = self._loop.time()
+            yield chunk
 
     def chunk_sent(self) -> None:
         self.sending = False

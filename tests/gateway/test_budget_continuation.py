@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -251,3 +252,48 @@ def test_an_answer_cut_at_the_budget_is_continued_without_the_early_stop() -> No
     assert len(message["reasoning"].split()) == 3  # the thought ended by itself, inside the budget
     assert out["usage"]["completion_tokens"] == 5 + 8  # 3 reasoning + 2 answer tokens, then 8 more
     assert out["choices"][0]["finish_reason"] == "stop" and sim.engine.stats.requests == 2
+
+
+def _phase_reply(*body: bytes) -> Any:
+    from transports import FakeRequest, FakeResponse, Reply
+
+    request = FakeRequest("POST", "http://a", "/v1/chat/completions", [], b"")
+    return FakeResponse(request, Reply(200, [(b"content-type", b"text/event-stream")], list(body)))
+
+
+def _context() -> Any:
+    from gateway.context import RequestContext
+    from routing.policies.round_robin import RoundRobinPolicy
+
+    return RequestContext("POST", "/v1/chat/completions", b"{}", {}, "m", "k", RoundRobinPolicy(), [])
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+@pytest.mark.anyio
+async def test_a_phase_is_read_in_any_sse_framing_cut_anywhere(newline: bytes) -> None:
+    from gateway.continuation import _chunks
+
+    stream = newline.join(
+        [b": ping", b"", b'data: {"n": 1}', b"", b'data:{"n": 2}', b"", b"data: [DONE]", b"", b""]
+    )
+    reads = [stream[i : i + 3] for i in range(0, len(stream), 3)]  # CRLFs cut between CR and LF too
+    assert [c async for c in _chunks(_context(), _phase_reply(*reads, b'data: {"n": 3}\n\n'))] == [
+        {"n": 1},
+        {"n": 2},
+    ]
+
+
+@pytest.mark.anyio
+async def test_a_phase_event_or_body_over_the_bounds_is_refused_not_held() -> None:
+    from gateway.continuation import _chunks, _read
+    from gateway.errors import UpstreamReplyTooLarge
+    from gateway.relay import MAX_REPLY_BYTES
+    from gateway.sse import MAX_EVENT_BYTES
+
+    never = asyncio.Event()
+    event = _phase_reply(b"data: " + b"x" * MAX_EVENT_BYTES, never)
+    with pytest.raises(UpstreamReplyTooLarge, match="an event larger than 1048576 bytes"):
+        [c async for c in _chunks(_context(), event)]
+    body = _phase_reply(b"{" + b" " * MAX_REPLY_BYTES, never)
+    with pytest.raises(UpstreamReplyTooLarge, match="a reply larger than 16777216 bytes"):
+        await _read(_context(), body)

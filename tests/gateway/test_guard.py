@@ -105,3 +105,23 @@ def test_a_finish_reason_after_null_ones_in_the_same_read_is_counted() -> None:
     g = guard()
     g.feed(event("a") + event("b") + event(None, "length") + b"data: [DONE]\n\n")
     assert g.finish == ["length"]
+
+
+@pytest.mark.parametrize("newline", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_crlf_and_cr_framed_streams_are_watched_too(newline: bytes) -> None:
+    def framed(content: str) -> bytes:
+        return event(content).replace(b"\n\n", newline * 2)
+
+    stream = framed("Hello") + framed(" duct") * 4 + framed("x")
+    g = guard(repeat_count=4, max_period=1)
+    hits = [i for i in range(0, len(stream), 5) if g.feed(stream[i : i + 5])]
+    assert len(hits) == 1 and g.tripped == b"duct"
+    assert stream[: hits[0] + 5].count(framed(" duct")[:-1]) == 4  # on the read that ended the 4th one
+
+
+def test_an_event_larger_than_the_bound_is_not_held_or_looked_at() -> None:
+    g = guard(repeat_count=2, max_period=1)
+    huge = b'data: {"choices":[{"delta":{"content":"' + b"z" * 70_000 + b'"}}]}\n\n'
+    assert not g.feed(huge[:40_000]) and not g.feed(huge[40_000:])
+    assert g._events.buffered == 0
+    assert g.feed(event("a") + event("a")) is True  # framing resumes after it

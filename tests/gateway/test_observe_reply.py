@@ -56,3 +56,14 @@ def test_nothing_is_kept_unless_asked_and_broken_events_are_ignored() -> None:
     tap = ResponseTap(reply=True)
     tap.feed(b'data: {"content": oops\n\n')
     assert tap.reply() is None
+
+
+def test_crlf_and_cr_framed_streams_give_the_reply_too() -> None:
+    for newline in (b"\r\n", b"\r"):
+        stream = (
+            event({"role": "assistant"}) + event({"content": "Hi"}) + event({"content": " there"})
+        ).replace(b"\n\n", newline * 2)
+        tap = ResponseTap(reply=True)
+        for i in range(0, len(stream), 7):  # a CRLF cut between its CR and LF too
+            tap.feed(stream[i : i + 7])
+        assert tap.reply() == "Hi there"

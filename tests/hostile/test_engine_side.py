@@ -67,18 +67,23 @@ def test_engine_that_promises_a_json_body_and_sends_none_is_cut_by_request_s(
 ) -> None:
     # Defect 1 too: a JSON head with content-length and no body. request_s bounds the whole request.
     head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
-    engine_ = engine({"/v1/chat/completions": steps(head, 30.0)})
+    engine_ = engine({"/v1/completions": steps(head, 30.0), "/v1/chat/completions": steps(head, 30.0)})
     with engine_.serve() as url:
         c = hostile_gateway(
             engines=[], raw_engines={"wedged": url}, timeouts={"read_s": 60, "request_s": 0.8}
         )
         t = time.monotonic()
         try:
-            httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=5)
+            httpx.post(c.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=5)
             raise AssertionError("a body cut short must not read as a whole answer")
         except httpx.RemoteProtocolError:
             pass  # the only honest signal once the status line is gone: the connection closes
         assert 0.8 <= time.monotonic() - t < 3
+        # A chat body is read whole (its reasoning fields are rewritten) and its head waits for it: the
+        # client gets a proper error response instead.
+        r = httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=5)
+        assert r.status_code == 504
+        assert r.json()["error"]["message"] == "backend wedged did not finish within request_s=0.8s"
         assert c.gateway.registry.total_in_flight() == 0
 
 
