@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import httptools
 
@@ -27,6 +28,13 @@ READ_HIGH_WATER = 64 * 1024  # body bytes waiting for the consumer before the so
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 _OWN_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})  # framing is ours to write
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")  # a space or CR/LF in the target would split the request
+_NO_BODY_STATUSES = frozenset({204, 304})  # and every 1xx (RFC 9110 §6.4.1): the head ends the response
+_CONNECTION_HEADERS = frozenset({b"connection", b"proxy-connection"})
+
+
+class _AfterTheEnd(Exception):
+    """Raised in a parser callback to stop httptools once the response is over: the bytes after it answer
+    nothing we sent, so they are neither parsed nor reported."""
 
 
 class Connection(asyncio.Protocol):
@@ -49,7 +57,8 @@ class Connection(asyncio.Protocol):
         self.got_bytes = False
         self.head_done = False
         self.head_room = self.max_head_bytes  # response-head bytes still allowed (1xx heads included)
-        self.complete = False  # the whole response arrived
+        self.complete = False  # the whole response arrived (for HEAD: its head)
+        self.ended = False  # the parser reached the end of the response: the connection is in step again
         self.keep_alive = False
         self.until_eof = False  # close-delimited body
         self.extra = False  # bytes followed the response: never reuse
@@ -74,7 +83,7 @@ class Connection(asyncio.Protocol):
 
     def release(self) -> bool:
         """Make the connection idle; False (and the transport aborted) if it cannot be reused."""
-        if not self.complete or not self.keep_alive or self.extra or self.closing or self.error is not None:
+        if not self.ended or not self.keep_alive or self.extra or self.closing or self.error is not None:
             self.abort()
             return False
         self._begin(None, reused=False, head_only=False)
@@ -89,6 +98,17 @@ class Connection(asyncio.Protocol):
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    def readable(self) -> bool:
+        """Bytes or an EOF wait on this idle socket that the event loop has not read yet: reused, the
+        connection would take them for the next request's answer. One ``poll()``, on this socket only."""
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def resume(self) -> None:
         self.paused = False
@@ -184,9 +204,10 @@ class Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        if self.complete:
+        if self.ended:  # a second response in the same read: it must not override the first one's head
             self.extra = True
-        self.headers = []
+            raise _AfterTheEnd
+        self.headers = []  # also drops a 1xx response's headers
 
     def on_header(self, name: bytes, value: bytes) -> None:
         headers = self.headers
@@ -199,18 +220,25 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         assert self.parser is not None
         status = self.parser.get_status_code()
+        if not 100 <= status <= 599:  # llhttp takes any three digits
+            self._stop(UpstreamProtocolError(f"{self.origin.name} answered with status {status:03d}"))
         if status < 200:  # informational (103 Early Hints): llhttp goes on to the real response
             return
         self.status = status
         self.head_done = True
-        self.keep_alive = self.parser.should_keep_alive()
+        self.keep_alive = keep_alive = self.parser.should_keep_alive()
+        if self.head_only or status in _NO_BODY_STATUSES:
+            # Content-Length frames nothing here; relayed, it would promise the client a body.
+            self.headers = [(name, value) for name, value in self.headers if name != b"content-length"]
         if self.head_only:
-            self.complete = True
-        else:
-            self.until_eof = close_delimited(self.headers)
+            self.complete = True  # llhttp does not know the request was HEAD: it may wait for a body
+        elif not keep_alive:  # keep-alive already means framed; only now can the body run to the close
+            self.until_eof = needs_eof(status, self.headers)
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if not self.head_done:  # llhttp reads a body that a 1xx or 0xx head announces
+            self._stop(UpstreamProtocolError(f"{self.origin.name} sent a body with an interim response"))
         if self.complete:  # bytes after a HEAD response
             self.extra = True
             return
@@ -219,17 +247,28 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.head_done:
-            self.complete = True
+            self.complete = self.ended = True
+
+    def _stop(self, error: Exception) -> NoReturn:
+        """Record ``error`` and stop the parser; data_received keeps the error already recorded."""
+        self._fail(error)
+        raise error
 
 
-def close_delimited(headers: list[tuple[bytes, bytes]]) -> bool:
-    """True when neither Content-Length nor a final chunked coding frames the body (RFC 9112 §6.3)."""
-    for name, value in headers:
-        if name == b"content-length":
-            return False
-        if name == b"transfer-encoding" and value.rstrip().lower().endswith(b"chunked"):
-            return False
-    return True
+def needs_eof(status: int, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """True when the body runs until the server closes (RFC 9112 §6.3: no Content-Length, and no
+    Transfer-Encoding whose final coding is chunked), decided by llhttp itself so that we never disagree
+    with the parser on where a body ends: the same head, as HTTP/1.1 without Connection, keeps the
+    connection alive exactly when its body is framed. Only asked for a response that closes the
+    connection (a keep-alive one is framed by definition)."""
+    fields = b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers if n not in _CONNECTION_HEADERS)
+    probe = httptools.HttpResponseParser(_NoCallbacks())
+    probe.feed_data(b"HTTP/1.1 %d -\r\n%s\r\n" % (status, fields))
+    return not probe.should_keep_alive()
+
+
+class _NoCallbacks:
+    """A parser protocol that wants nothing reported (httptools calls only the methods it finds)."""
 
 
 def encode_head(

@@ -279,9 +279,8 @@ class Proxy:
         except UpstreamConnectError as exc:
             self.feed.unreachable(backend_id, f"connect failed: {exc}")
             return self._failed(backend_id, AttemptOutcome.CONNECT_ERROR, UpstreamError, "is unreachable")
-        except UpstreamPoolTimeout as exc:
-            # Our own pool is full: nothing the engine did, so nothing for its breaker.
-            log.warning("backend %s: %s", backend_id, exc)
+        except UpstreamPoolTimeout:
+            # Our own pool is full: nothing the engine did, so nothing for its breaker (the pool logs it).
             return self._failed(backend_id, AttemptOutcome.POOL_TIMEOUT, UpstreamBusy, "is saturated")
         except UpstreamTransportError as exc:
             # Sent, then broken before the head (a stale keep-alive connection of a POST included): the

@@ -36,7 +36,8 @@ class UpstreamPoolTimeout(UpstreamTransportError):
 
 
 class UpstreamProtocolError(UpstreamTransportError):
-    """The connection broke, or the server sent garbage, before the response head was complete.
+    """The connection broke, or the server sent garbage (a status outside 100-599 included), before the
+    response head was complete.
 
     The request was sent: the server may have processed it (a non-streamed generation can run for minutes
     before its first byte).
@@ -71,7 +72,8 @@ class TransportResponse(Protocol):
 
     @property
     def headers(self) -> Sequence[tuple[bytes, bytes]]:
-        """Names lower-cased, in the order received."""
+        """Names lower-cased, in the order received; no Content-Length on a response that has no body
+        (to HEAD, 204, 304): it frames nothing there, and relayed it would promise the client one."""
         ...
 
     def header(self, name: bytes) -> bytes | None:

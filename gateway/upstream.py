@@ -11,13 +11,23 @@ Invariants:
 - A connection is in exactly one place: its origin's idle stack, or owned by one unclosed response.
 - A connection goes back to the stack only if its response arrived in full, allows keep-alive and nothing
   followed it on the wire. Anything else (error, cancellation, early ``aclose()``) aborts the transport at
-  once: that is how an upstream request is cancelled, and the engine sees the disconnect.
+  once: that is how an upstream request is cancelled, and the engine sees the disconnect. A response to
+  HEAD whose head announces a body is not reused either: an engine that gets HEAD wrong sends that body,
+  maybe only once the next request is on its way, and it would read as that request's answer.
+- A connection is taken from the stack only if nothing waits on its socket (no stray byte, no EOF the event
+  loop has not read yet); anything there aborts it.
 - One permit per origin is held from ``request()`` until ``aclose()``, so at most
   ``max_connections_per_origin`` connections per origin are ever open (idle ones are reused before new ones
   are opened). A response garbage-collected without ``aclose()`` gives its permit back (``__del__``).
 - Only idempotent requests are resent, once, when a reused connection turns out to be closed.
 - A response head larger than ``max_response_header_bytes`` or with more than ``max_response_headers``
   fields aborts the connection as soon as the limit is crossed; nothing past the limit is buffered.
+- A status outside 100-599, or a body on an interim (1xx) response, is an ``UpstreamProtocolError``. Where
+  the body ends is llhttp's decision (RFC 9112 §6.3), Content-Length of a response without a body (HEAD,
+  204, 304) is not reported, and the parser stops at the end of the response: what follows is never
+  parsed as part of it.
+- A request refused by the pool timeout logs one warning per origin per ``busy_log_every_s`` at most,
+  with the number of requests it stands for.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from gateway.http1 import READ_HIGH_WATER, Connection, encode_head
+from gateway.throttle import LogThrottle
 from gateway.transport import (
     IDEMPOTENT_METHODS,
     UpstreamConnectError,
@@ -68,14 +79,18 @@ log = logging.getLogger("warmroute.upstream")
 DEFAULT_IDLE_TIMEOUT = 4.0
 DEFAULT_MAX_RESPONSE_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_RESPONSE_HEADERS = 200
+#: At most one "refused: every connection busy" line per origin per this many seconds.
+BUSY_LOG_EVERY_S = 10.0
 
 
 class Origin:
     """Where to connect, what to put in Host, and the idle connections (most recently used last)."""
 
-    __slots__ = ("host", "host_header", "idle", "name", "permits", "port", "prefix", "ssl")
+    __slots__ = ("busy_log", "host", "host_header", "idle", "name", "permits", "port", "prefix", "ssl")
 
-    def __init__(self, origin: str, limit: int, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, origin: str, limit: int, ssl_context: ssl.SSLContext | None, busy_log_every_s: float
+    ) -> None:
         parts = urlsplit(origin)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
             raise ValueError(f"not an http(s) origin: {origin!r}")
@@ -88,6 +103,7 @@ class Origin:
         self.ssl = (ssl_context or ssl.create_default_context()) if tls else None
         self.idle: collections.deque[Connection] = collections.deque()
         self.permits = asyncio.Semaphore(limit)
+        self.busy_log = LogThrottle(busy_log_every_s)
 
 
 class UpstreamResponse:
@@ -149,6 +165,7 @@ class UpstreamPool:
     before ``UpstreamPoolTimeout`` (None: as long as the caller's own timeout allows).
     ``idle_timeout``: an idle connection older than this is closed instead of reused; keep it below the
     servers' keep-alive timeout.
+    ``busy_log_every_s``: at most one warning per origin this often for requests the pool timeout refused.
     """
 
     def __init__(
@@ -161,6 +178,7 @@ class UpstreamPool:
         max_response_header_bytes: int = DEFAULT_MAX_RESPONSE_HEADER_BYTES,
         max_response_headers: int = DEFAULT_MAX_RESPONSE_HEADERS,
         ssl_context: ssl.SSLContext | None = None,
+        busy_log_every_s: float = BUSY_LOG_EVERY_S,
     ) -> None:
         self._connect_timeout = connect_timeout
         self._limit = max_connections_per_origin
@@ -169,6 +187,7 @@ class UpstreamPool:
         self._max_head_bytes = max_response_header_bytes
         self._max_headers = max_response_headers
         self._ssl_context = ssl_context
+        self._busy_log_every_s = busy_log_every_s
         self._origins: dict[str, Origin] = {}
         self._conns: set[Connection] = set()  # every open connection, idle or busy
         self._closed = False
@@ -227,6 +246,9 @@ class UpstreamPool:
                 await dest.permits.acquire()
         except TimeoutError:
             busy = f"all {self._limit} connections to {dest.name} busy for {wait_s} s"
+            if count := dest.busy_log.due(asyncio.get_running_loop().time()):
+                every = dest.busy_log.every_s
+                log.warning("%s: %d request(s) refused (one line per %g s at most)", busy, count, every)
             raise UpstreamPoolTimeout(busy) from None
 
     async def _exchange(self, dest: Origin, method: str, data: bytes, body: bytes) -> UpstreamResponse:
@@ -270,6 +292,9 @@ class UpstreamPool:
                 while idle:
                     idle.pop().abort()
                 return None
+            if conn.readable():  # stray bytes or a close the loop has not read yet: out of step
+                conn.abort()
+                continue
             return conn
         return None
 
@@ -315,7 +340,7 @@ class UpstreamPool:
         return conn
 
     def _add_origin(self, origin: str) -> Origin:
-        dest = Origin(origin, self._limit, self._ssl_context)
+        dest = Origin(origin, self._limit, self._ssl_context, self._busy_log_every_s)
         self._origins[origin] = dest
         return dest
 

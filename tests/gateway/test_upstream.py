@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from config.settings import UpstreamConfig
-from gateway.http1 import READ_HIGH_WATER
+from gateway.http1 import READ_HIGH_WATER, needs_eof
 from gateway.transport import (
     IDEMPOTENT_METHODS,
     UpstreamConnectError,
@@ -282,14 +282,22 @@ async def test_slow_consumer_pauses_the_socket(pool: UpstreamPool) -> None:
         assert idle(pool, srv.origin) == 1
 
 
-@pytest.mark.parametrize(("method", "path"), [("HEAD", "/"), ("GET", "/status/204"), ("GET", "/status/304")])
-async def test_no_body_responses(pool: UpstreamPool, recorder: Any, method: str, path: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "connections"),
+    [("HEAD", "/", 2), ("GET", "/status/204", 1), ("GET", "/status/304", 1)],
+)
+async def test_no_body_responses(
+    pool: UpstreamPool, recorder: Any, method: str, path: str, connections: int
+) -> None:
     url, app = recorder
     response = await pool.request(method, url, path, [], b"")
     assert response.status == (int(path.rsplit("/", 1)[1]) if "status" in path else 200)
+    assert response.header(b"content-length") is None  # it frames nothing here (HEAD's says 11)
     assert await read_all(response) == b""
     assert await read_all(await pool.request("GET", url, "/", [], b"")) == b"hello world"
-    assert len(set(app.ports)) == 1  # the connection stayed in step
+    # The connection stays in step; after HEAD the parser still waits for the 11 bytes the head announced:
+    # that connection is not reused (an engine that gets HEAD wrong sends them).
+    assert len(set(app.ports)) == connections
 
 
 async def test_informational_response_is_skipped(pool: UpstreamPool) -> None:
@@ -470,6 +478,101 @@ async def test_bytes_after_the_response_spoil_the_connection(pool: UpstreamPool)
         assert idle(pool, srv.origin) == 0
 
 
+FORGED = b"HTTP/1.1 418 X\r\nx-ratelimit-forged: 1\r\ncontent-length: 6\r\n\r\nforged"
+
+
+async def test_a_second_response_in_the_same_read_changes_nothing_and_spoils_the_connection(
+    pool: UpstreamPool,
+) -> None:
+    async with raw_server(responder(OK + FORGED, OK)) as srv:
+        response = await pool.request("GET", srv.origin, "/", [], b"")
+        assert (response.status, response.headers) == (200, [(b"content-length", b"2")])
+        assert await read_all(response) == b"ok"
+        assert idle(pool, srv.origin) == 0
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+        assert srv.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        (b"HTTP/1.1 600 X\r\ncontent-length: 2\r\n\r\nok", "answered with status 600"),
+        (b"HTTP/1.1 999 X\r\ncontent-length: 0\r\n\r\n", "answered with status 999"),
+        (b"HTTP/1.1 000 X\r\ncontent-length: 2\r\n\r\nok" + OK, "answered with status 000"),
+        (b"HTTP/1.1 099 X\r\n\r\n" + OK, "answered with status 099"),
+        (b"HTTP/1.1 150 X\r\ncontent-length: 2\r\n\r\nok" + OK, "sent a body with an interim response"),
+    ],
+    ids=["600", "999", "000-with-body", "099", "150-with-body"],
+)
+async def test_a_status_outside_100_599_or_an_interim_body_is_a_protocol_error(
+    pool: UpstreamPool, reply: bytes, says: str
+) -> None:
+    async with raw_server(responder(reply)) as srv:
+        with pytest.raises(UpstreamProtocolError) as caught:
+            await pool.request("GET", srv.origin, "/", [], b"")
+        assert str(caught.value) == f"{srv.origin} {says}"
+        assert (srv.connections, len(srv.requests), idle(pool, srv.origin)) == (1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("method", "reply", "reused"),
+    [
+        ("GET", b"HTTP/1.1 304 X\r\ncontent-length: 10\r\netag: 1\r\n\r\n", True),
+        ("GET", b"HTTP/1.1 204 X\r\ncontent-length: 10\r\netag: 1\r\n\r\n", True),
+        ("HEAD", b"HTTP/1.1 200 X\r\ncontent-length: 0\r\netag: 1\r\n\r\n", True),
+        ("HEAD", b"HTTP/1.1 200 X\r\ncontent-length: 10\r\netag: 1\r\n\r\n", False),
+        ("HEAD", b"HTTP/1.1 200 X\r\ntransfer-encoding: chunked\r\netag: 1\r\n\r\n", False),
+    ],
+    ids=["304", "204", "head-empty", "head-length", "head-chunked"],
+)
+async def test_a_response_without_a_body_reports_no_content_length_and_awaits_no_body(
+    pool: UpstreamPool, method: str, reply: bytes, reused: bool
+) -> None:
+    async with raw_server(responder(reply, OK)) as srv:
+        response = await pool.request(method, srv.origin, "/", [], b"")
+        assert (response.header(b"content-length"), response.header(b"etag")) == (None, b"1")
+        async with asyncio.timeout(5):
+            assert await read_all(response) == b""
+        # Pooled unless the parser still waits for a body that a HEAD response announced.
+        assert idle(pool, srv.origin) == int(reused)
+        if reused:  # and in step: the next answer on it is read as it should be
+            assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"
+            assert srv.connections == 1
+
+
+@pytest.mark.parametrize("coding", [b"xchunked", b"chunked, gzip", b"gzip", b"chunkedx"])
+async def test_a_body_without_a_final_chunked_coding_is_read_until_the_close(
+    pool: UpstreamPool, coding: bytes
+) -> None:
+    # RFC 9112 §6.3: a transfer coding other than a final chunked one leaves the body close-delimited.
+    reply = b"HTTP/1.1 200 OK\r\ntransfer-encoding: " + coding + b"\r\n\r\nuntil the end"
+    async with raw_server(responder(reply, then_close=True)) as srv:
+        assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"until the end"
+        assert idle(pool, srv.origin) == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "until_close"),
+    [
+        (200, [], True),
+        (200, [(b"content-length", b"5")], False),
+        (200, [(b"transfer-encoding", b"chunked")], False),
+        (200, [(b"transfer-encoding", b"gzip, chunked")], False),
+        (200, [(b"transfer-encoding", b"CHUNKED")], False),
+        (200, [(b"transfer-encoding", b"xchunked")], True),
+        (200, [(b"transfer-encoding", b"chunked, gzip")], True),
+        (200, [(b"connection", b"close"), (b"content-length", b"5")], False),
+        (200, [(b"connection", b"close")], True),
+        (204, [], False),
+        (304, [], False),
+    ],
+)
+def test_needs_eof_is_the_parsers_framing_decision(
+    status: int, headers: list[tuple[bytes, bytes]], until_close: bool
+) -> None:
+    assert needs_eof(status, headers) is until_close
+
+
 # -- cancellation ----------------------------------------------------------------------------------
 
 
@@ -601,6 +704,27 @@ async def test_pool_timeout_names_the_busy_origin(anyio_backend: Any) -> None:
         assert len(srv.requests) == 1  # the timed-out request never reached the server
         assert await read_all(held) == b"ok"
         assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"  # no permit lost
+        await pool.aclose()
+
+
+async def test_pool_timeouts_log_one_line_per_interval_with_their_count(
+    anyio_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 4,904 requests refused by a saturated pool logged 4,904 identical lines.
+    caplog.set_level(logging.WARNING, "warmroute.upstream")
+    async with raw_server(responder(OK)) as srv:
+        pool = UpstreamPool(
+            connect_timeout=2.0, max_connections_per_origin=1, pool_timeout=0.01, busy_log_every_s=3600
+        )
+        held = await pool.request("GET", srv.origin, "/", [], b"")
+        for _ in range(5):
+            with pytest.raises(UpstreamPoolTimeout):
+                await pool.request("GET", srv.origin, "/", [], b"")
+        assert [r.getMessage() for r in caplog.records if r.name == "warmroute.upstream"] == [
+            f"all 1 connections to {srv.origin} busy for 0.01 s: 1 request(s) refused"
+            " (one line per 3600 s at most)"
+        ]
+        assert await read_all(held) == b"ok"
         await pool.aclose()
 
 

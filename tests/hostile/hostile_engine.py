@@ -124,6 +124,21 @@ def huge_headers(size: int, status: int = 200) -> Script:
     return steps(head + b"a" * size + b"\r\n\r\n")
 
 
+def stray_on_reuse(answer: bytes, stray: bytes) -> Script:
+    """Send ``answer``; if the client then sends another request on this connection, answer it with ``stray``
+    alone (as an engine that gets HEAD wrong sends the body late). That request is not recorded; when the
+    client closes the connection instead, the script ends there."""
+
+    async def run(_request: RawRequest, conn: Conn) -> None:
+        conn.writer.write(answer)
+        await conn.writer.drain()
+        if await _read_request(conn.reader) is not None:
+            conn.writer.write(stray)
+            await conn.writer.drain()
+
+    return run
+
+
 def garbage(data: bytes = b"\x00\xffnot http at all\r\n\r\n") -> Script:
     return steps(data, CLOSE)
 
