@@ -42,6 +42,7 @@ from gateway.errors import (
 )
 from gateway.guard import StreamGuard
 from gateway.metrics import Metrics
+from gateway.not_found import relay_404
 from gateway.observe import Observation, Observer, ResponseTap
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.relay import Expiry, SilenceWatch, body, response_head, send_error, sse_error
@@ -299,6 +300,10 @@ class Proxy:
 
     async def _relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
         assert ctx.lease is not None
+        if upstream.status == 404 and ctx.body is None:  # a forwarded route the engine does not serve
+            await relay_404(ctx, upstream, send, self.timeouts.read_s)
+            ctx.outcome = RequestOutcome.HTTP_4XX
+            return
         sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
         chunks = upstream.aiter_raw()
         if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
