@@ -95,7 +95,9 @@ class ChangeResult(BaseModel):
 
 class Removed(BaseModel):
     id: str
-    propagated: bool | None = Field(description="As in a change: true, false (Redis failed) or null (no Redis)")
+    propagated: bool | None = Field(
+        description="As for a change: true, false (Redis failed), null (no Redis)"
+    )
     in_flight_at_removal: int = Field(description="Requests still running there; they finish on their own")
     models_left_without_backend: list[str]
     connections_closed: int

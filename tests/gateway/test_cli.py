@@ -32,6 +32,10 @@ def test_version_from_a_bare_checkout_says_it_is_not_installed(monkeypatch: pyte
 
 def test_version_flag_as_a_process() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "--version"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "gateway.cli", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert (done.returncode, done.stdout, done.stderr) == (0, f"warmroute {VERSION}\n", "")

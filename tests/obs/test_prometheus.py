@@ -90,7 +90,7 @@ def wait_value(prom: str, expr: str, expected: float, timeout: float = 20.0) -> 
 
 
 def last_scrape(prom: str) -> str:
-    """When the gateway target's latest finished scrape started (Prometheus sets it once the scrape is done)."""
+    """When the gateway target's latest finished scrape started (set once that scrape is done)."""
     targets = httpx.get(prom + "/api/v1/targets").json()["data"]["activeTargets"]
     assert len(targets) == 1, targets
     return str(targets[0]["lastScrape"])
