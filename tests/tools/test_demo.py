@@ -99,7 +99,7 @@ def test_sigterm_while_serving_exits_0_and_removes_its_folder(tmp_path: Path) ->
 
 
 def test_sigterm_while_the_engines_start_exits_0_and_removes_its_folder(tmp_path: Path) -> None:
-    """The signal lands while children are spawned or waited for (the fork itself: tests/tools/test_launch.py)."""
+    """The signal lands while children start (the fork itself: tests/tools/test_launch.py)."""
     with serving_demo(tmp_path) as proc:
         read_until(proc, "starting ")
         stopped_cleanly(proc, tmp_path)
