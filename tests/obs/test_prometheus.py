@@ -22,6 +22,8 @@ from tools.procs import child, free_port, wait_http
 
 from clusters import Cluster, ClusterFactory
 
+pytestmark = pytest.mark.needs("prometheus")
+
 REQUIRE_ENV = "WARMROUTE_REQUIRE_PROMETHEUS"
 SCRAPE = "250ms"
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "prometheus.yml"
