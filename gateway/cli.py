@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 from config.settings import ConfigError, load_settings
 from gateway.server import run, uvicorn_config
@@ -31,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry: Callable[[list[str]], int] = module.main
         return entry(args[1:])
     parser = argparse.ArgumentParser(prog="warmroute", description="Conversation-affinity LLM gateway")
+    parser.add_argument("--version", action="version", version=f"warmroute {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", "-c", help="YAML settings file (env WARMROUTE_* overrides it)")
@@ -41,6 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     ns = parser.parse_args(args)
     return _serve(ns)
+
+
+def installed_version() -> str:
+    """The installed distribution's version (pyproject.toml's), or a marker when run from a bare checkout."""
+    try:
+        return version("warmroute")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from gateway.errors import (
 )
 from gateway.guard import StreamGuard
 from gateway.metrics import Metrics
+from gateway.not_found import relay_404
 from gateway.observe import Observation, Observer, ResponseTap
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.relay import Expiry, Rewrite, SilenceWatch, body, response_head, send_error, sse_error
@@ -315,6 +316,10 @@ class Proxy:
         assert ctx.lease is not None
         if self.hide_engine_errors and upstream.status >= 500:
             await self._withhold(ctx, upstream, send)
+            return
+        if upstream.status == 404 and ctx.body is None:  # a forwarded route the engine does not serve
+            await relay_404(ctx, upstream, send, self.timeouts.read_s)
+            ctx.outcome = RequestOutcome.HTTP_4XX
             return
         sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
         if self.observers:

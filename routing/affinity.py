@@ -3,8 +3,10 @@
 Pure and synchronous: the caller passes ``now``. Built for a million pins in a proxy that must not pause:
 
 - Pins live in *generations*: plain dicts of key -> backend index, one per ``ttl_s / GENERATIONS`` of time.
-  A use moves a pin into the current generation; a whole generation expires at once. So a pin lives at
-  least ``ttl_s`` after its last use and at most ``ttl_s * (1 + 1 / GENERATIONS)``.
+  A use moves a pin into the current generation; a whole generation expires at once, ``ttl_s`` after the
+  latest use of any pin in it (one float per generation, none per pin). So a pin lives at least ``ttl_s``
+  after its last use and at most ``ttl_s * (1 + 1 / GENERATIONS)``, and a pin just used expires in exactly
+  ``ttl_s``, as Redis's ``PEXPIRE`` would have it.
 - Values are small ints (indexes into the backend names), never tuples or floats: nothing is allocated per
   pin but its key, and a dict holding only strings and small ints is not tracked by the garbage collector,
   so a full collection does not walk the table (an OrderedDict of tuples cost ~60 ms per collection at 1 M
@@ -23,10 +25,11 @@ GENERATIONS = 8
 
 
 class _Generation:
-    __slots__ = ("counts", "pins", "start")
+    __slots__ = ("counts", "last", "pins", "start")
 
     def __init__(self, start: float) -> None:
         self.start = start  # every pin in it was last used in [start, start + width)
+        self.last = start  # the latest of those uses: the generation expires at last + ttl_s
         self.pins: dict[str, int] = {}  # key -> backend index
         self.counts: dict[int, int] = {}  # backend index -> pins in this generation
 
@@ -132,7 +135,7 @@ class AffinityTable:
     # -- internals ------------------------------------------------------------------------------------
 
     def _expiry(self, gen: _Generation) -> float:
-        return gen.start + self._width + self.ttl_s
+        return gen.last + self.ttl_s
 
     def _find(self, key: str) -> tuple[_Generation, int] | None:
         for gen in reversed(self._gens):  # recent pins are the ones asked for most
@@ -142,10 +145,14 @@ class AffinityTable:
         return None
 
     def _current(self, now: float) -> _Generation:
+        """The generation a use at ``now`` goes into (every caller uses a pin at ``now``)."""
         gens = self._gens
         if not gens or now >= gens[-1].start + self._width:
             gens.append(_Generation(now))
-        return gens[-1]
+        gen = gens[-1]
+        if now > gen.last:  # a caller's ``now`` read before an await may be a little older
+            gen.last = now
+        return gen
 
     def _insert(self, key: str, backend: str, now: float) -> None:
         index = self._index.get(backend)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,51 @@ from clusters import Cluster, ClusterFactory
 from upstreams import FakeEngine, serve
 
 REQUIRE_REDIS_ENV = "WARMROUTE_REQUIRE_REDIS"
+#: Fixtures that skip without an optional tool: a test using one, directly or through another fixture,
+#: is marked ``needs(tool)``. Tests that check for a tool themselves carry the marker in their module.
+NEEDS_BY_FIXTURE = {"redis_server": "redis-server", "private_redis": "redis-server", "stack": "redis-server"}
+#: The reason a whole module skips without the vision extra (tests/sidecars/vision_deps.py).
+VISION_SKIP = "vision sidecar dependencies missing"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--needs-report",
+        action="store_true",
+        help="after collection, print one JSON line: collected tests per optional tool they need",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        for tool in sorted({t for f, t in NEEDS_BY_FIXTURE.items() if f in fixtures}):
+            item.add_marker(pytest.mark.needs(tool))
+
+
+_skipped_modules: list[str] = []
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped:
+        _skipped_modules.append(str(report.longrepr))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """``--needs-report``: what ``python -m tools.doctor`` counts (after ``-m`` deselection)."""
+    if not session.config.getoption("needs_report"):
+        return
+    needs: dict[str, int] = {}
+    for item in session.items:
+        for tool in {t for m in item.iter_markers("needs") for t in m.args}:
+            needs[tool] = needs.get(tool, 0) + 1
+    # Without the vision extra its modules skip whole at import: pytest counts one skip per module.
+    modules = sum(1 for reason in _skipped_modules if VISION_SKIP in reason)
+    report = {"tests": len(session.items), "needs": needs, "vision_modules_skipped": modules}
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("warmroute-needs " + json.dumps(report, sort_keys=True))
 
 
 @pytest.fixture

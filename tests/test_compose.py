@@ -339,6 +339,7 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.needs("prometheus")
 def test_prometheus_config_is_valid() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -350,6 +351,7 @@ def test_prometheus_config_is_valid() -> None:
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.needs("haproxy")
 def test_haproxy_config_is_valid() -> None:
     if shutil.which("haproxy") is None:
         pytest.skip("haproxy not installed (apt-get install haproxy)")

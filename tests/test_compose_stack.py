@@ -312,6 +312,7 @@ def test_one_conversation_stays_on_one_engine_across_both_replicas(stack: Stack)
     assert {e: after[e] - before[e] for e in after} == {e: 3 if e == engine else 0 for e in after}
 
 
+@pytest.mark.needs("haproxy")
 def test_the_published_port_reaches_both_replicas(stack: Stack) -> None:
     if "lb" not in stack.running:
         pytest.skip("haproxy not installed (apt-get install haproxy): the balancer is not started")

@@ -3,7 +3,8 @@
 Starts 3 simulated engines and one gateway (affinity policy, in-memory state) on 127.0.0.1, plays a few
 multi-turn conversations through the gateway as any streaming OpenAI client would, prints where every turn
 went and what it cost, then keeps serving until Ctrl-C so you can try it yourself (``--no-serve``: stop after
-the table). Every child process is stopped on Ctrl-C or SIGTERM.
+the table). Ctrl-C or SIGTERM stops every child process, removes the temporary folder (configs and
+logs) and exits with code 0: stopping is how the demo ends. A second signal during that is ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from tools.client import StreamResult, chat_body, stream_chat
-from tools.launch import Engine, Launcher, LaunchError, SimProfile, sigterm_as_interrupt
+from tools.launch import Engine, Launcher, LaunchError, SimProfile, StopRequest, sigterm_as_interrupt
 from tools.procs import port_is_free
 from tools.workload import Conversation, WorkloadSpec, build
 
@@ -181,6 +182,7 @@ The gateway keeps serving at {url}/v1 (model "{MODEL}", {len(engines)} simulated
   EOF
 
 Send the same first messages again and the answer comes from the same engine (x-warmroute-backend).
+Status page: {url}/admin/status (backends, pins, routing decisions; refreshes itself).
 Gateway: {url}/readyz, {url}/metrics.  Engines: {", ".join(f"{e.url}/metrics" for e in engines)}
 Ctrl-C stops the gateway and the engines."""
 
@@ -195,14 +197,16 @@ def _port(requested: int) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, launch: Launcher) -> int:
+def run(args: argparse.Namespace, launch: Launcher, stop: StopRequest) -> int:
     started = time.monotonic()
     profile = dataclasses.replace(PROFILE, time_scale=args.time_scale)
     print(
         f"starting {ENGINES} simulated engines and the gateway (affinity policy) on 127.0.0.1 ...", flush=True
     )
     engines = launch.start_sims(ENGINES, profile, MODEL)
+    stop.check()
     gateway = launch.start_gateway(engines, MODEL, "affinity", port=_port(args.port))
+    stop.check()
     print(f"ready in {time.monotonic() - started:.1f} s: gateway {gateway.url}, engines "
           + ", ".join(f"{e.id} {e.url}" for e in engines))  # fmt: skip
     conversations = build(WORKLOAD)
@@ -224,6 +228,7 @@ def run(args: argparse.Namespace, launch: Launcher) -> int:
     print(serving_help(gateway.url, engines), flush=True)
     while True:
         time.sleep(0.5)
+        stop.check()
         for child in launch.dead():
             print(f"\n{child.name} exited ({child.process.returncode}):\n{child.log_tail()}", file=sys.stderr)
             return 1
@@ -231,12 +236,17 @@ def run(args: argparse.Namespace, launch: Launcher) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    with sigterm_as_interrupt(), Launcher("warmroute-demo-") as launch:
+    with sigterm_as_interrupt() as stop:
+        launch: Launcher | None = None
         try:
-            return run(args, launch)
+            launch = Launcher("warmroute-demo-", stop)
+            return run(args, launch, stop)
         except LaunchError as exc:
             print(f"warmroute demo: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("\nstopping the gateway and the engines ...", flush=True)
             return 0
+        finally:  # a signal from here on is only noted (StopRequest): the folder always goes
+            if launch is not None:
+                launch.close()

@@ -94,9 +94,10 @@ def _child_env() -> dict[str, str]:
 class Launcher:
     """Owns every child it starts; ``close`` (or leaving the ``with`` block) stops them all."""
 
-    def __init__(self, prefix: str = "warmroute-") -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    def __init__(self, prefix: str = "warmroute-", stop: StopRequest | None = None) -> None:
         self.children: list[Child] = []
+        self.stop_request = stop  # signals wait while a child is forked (``StopRequest.deferred``)
+        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
 
     def __enter__(self) -> Launcher:
         return self
@@ -152,12 +153,13 @@ class Launcher:
 
     def _spawn(self, name: str, port: int, argv: list[str]) -> Child:
         log_path = self.workdir / f"{name}.log"
-        with log_path.open("wb") as log:
+        deferred = self.stop_request.deferred() if self.stop_request else contextlib.nullcontext()
+        with deferred, log_path.open("wb") as log:
             process = procs.spawn(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), group=True, die_with_parent=True
             )
-        child = Child(name, f"http://{LOCALHOST}:{port}", process, log_path)
-        self.children.append(child)
+            child = Child(name, f"http://{LOCALHOST}:{port}", process, log_path)
+            self.children.append(child)  # before a deferred stop is raised: it is stopped with the rest
         return child
 
     def _wait(self, child: Child, path: str, ready: Callable[[httpx.Response], bool]) -> None:
@@ -197,11 +199,51 @@ def _all_backends_ready(response: httpx.Response) -> bool:
     return bool(backends) and all(b.get("state") == "ready" for b in backends.values())
 
 
+class StopRequest:
+    """Ctrl-C and SIGTERM as one request to stop, raised as a single ``KeyboardInterrupt``.
+
+    Only the first signal raises: later ones are noted, so the cleanup that follows (stopping children,
+    removing the work folder) is never cut short. Inside ``deferred()`` the exception waits for the end of
+    the block: one raised while a child is forked lands in CPython's at-fork hooks, which print it as
+    "Exception ignored" and drop it. Loops call ``check()``, which raises if a stop was asked for, in case an
+    exception was dropped anyway (a ``__del__``, a weakref callback).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._raised = False
+        self._deferring = 0
+
+    def handle(self, _signum: int, _frame: object) -> None:
+        self.requested = True
+        if not self._raised and not self._deferring:
+            self._raised = True
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if self.requested and not self._raised and not self._deferring:
+            self._raised = True
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.requested:
+            self._raised = True
+            raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Treat SIGTERM like Ctrl-C inside the block, so the same cleanup runs for both."""
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+def sigterm_as_interrupt() -> Iterator[StopRequest]:
+    """Treat SIGTERM like Ctrl-C inside the block, so the same cleanup runs for both (``StopRequest``)."""
+    stop = StopRequest()
+    previous = {s: signal.signal(s, stop.handle) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield stop
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -143,7 +143,8 @@ class AdminApi:
             async with self.lock:
                 backend = self._backend(request)
                 self.local.command(backend.id, command)
-                propagated = False
+                # Not published (reset): false with Redis, null without, like any change without Redis.
+                propagated: bool | None = None if self.feed is None else False
                 if command in _FLAGS:
                     flag, value = _FLAGS[command]
                     propagated = await self._publish(backend.id, **{flag: value})
@@ -259,8 +260,9 @@ class AdminApi:
                 "url must be http(s)://host[:port][/path] with a valid host and port", param="url"
             )
 
-    async def _publish(self, backend_id: str, **fields: Any) -> bool:
-        return False if self.feed is None else await self.feed.publish(backend_id, **fields)
+    async def _publish(self, backend_id: str, **fields: Any) -> bool | None:
+        """True/False: Redis took the change or failed; None: no Redis configured (nothing to propagate)."""
+        return None if self.feed is None else await self.feed.publish(backend_id, **fields)
 
     async def _fresh_view(self, backend: Backend) -> BackendView:
         return self._view(backend, await self.gw.store.view(None), {})

@@ -86,13 +86,18 @@ class ChangeResult(BaseModel):
     """What a runtime change did, on this replica and for the others."""
 
     backend: BackendView | None
-    propagated: bool = Field(description="Written to Redis for the other replicas (false: no Redis/down)")
+    propagated: bool | None = Field(
+        description="Written to Redis for the other replicas: true; false: Redis failed (or the change acts "
+        "on this replica only); null: no Redis configured"
+    )
     warnings: list[str] = Field(default_factory=list)
 
 
 class Removed(BaseModel):
     id: str
-    propagated: bool
+    propagated: bool | None = Field(
+        description="As for a change: true, false (Redis failed), null (no Redis)"
+    )
     in_flight_at_removal: int = Field(description="Requests still running there; they finish on their own")
     models_left_without_backend: list[str]
     connections_closed: int

@@ -15,7 +15,8 @@ is INCR'd in the same MULTI as every write. A record says
 Changes are applied locally first, then published; the feed re-reading our own write applies nothing new
 (every ``LocalChanges`` step is idempotent in effect). A lock keeps a poll from interleaving with a local
 change and its publication. If Redis is unreachable the change stays local and the API says so
-(``propagated: false``); the next successful change republishes only its own record.
+(``propagated: false``; with no Redis configured it says ``null``); the next successful change republishes
+only its own record.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_added_backend_takes_traffic_after_its_canary(cluster: ClusterFactory) -
         assert r.status_code == 201, r.text
         body = r.json()
         assert body["backend"]["id"] == "c" and body["backend"]["source"] == "runtime"
-        assert body["propagated"] is False  # no Redis: this replica only
+        assert body["propagated"] is None  # no Redis configured: this replica only, and nothing failed
         until(lambda: state_of(c.url, "c") == "ready", what="c ready")
         assert extra.canaries == 2  # the consistency canary asks twice before admitting it
         answer = httpx.post(
@@ -82,7 +82,7 @@ def test_removal_repins_cleans_up_and_reports(cluster: ClusterFactory) -> None:
     assert r.status_code == 200, r.text
     assert r.json() == {
         "id": pinned,
-        "propagated": False,
+        "propagated": None,
         "in_flight_at_removal": 0,
         "models_left_without_backend": [],
         "connections_closed": 1,
@@ -163,6 +163,17 @@ def test_reset_closes_an_open_circuit_and_the_backend_takes_traffic_again(cluste
     assert (view["state"], view["circuit"], view["routable"]) == ("ready", "closed", True)
     assert [chat(c.url, f"after-{i}").status_code for i in range(3)] == [200, 200, 200]
     assert c.gateway.fleet.controllers["a"].breaker.consecutive_failures == 0
+
+
+def test_without_redis_every_change_says_propagated_null(cluster: ClusterFactory) -> None:
+    """Null, not false: false means Redis was configured and failed (tests/admin/test_redis_admin.py)."""
+    c = cluster(["a", "b"])
+    changes = [("POST", f"/backends/a/{cmd}") for cmd in ("drain", "undrain", "cordon", "uncordon", "reset")]
+    for method, path in changes:
+        r = admin(c.url, method, path)
+        assert (r.status_code, r.json()["propagated"]) == (200, None), (path, r.text)
+    r = admin(c.url, "PATCH", "/backends/b", json={"weight": 2})
+    assert (r.status_code, r.json()["propagated"]) == (200, None)
 
 
 def test_patch_weight(cluster: ClusterFactory) -> None:

@@ -58,4 +58,6 @@ def test_a_change_with_redis_down_stays_local_and_says_so(cluster: ClusterFactor
     r = httpx.post(f"{c.url}/admin/backends/a/drain")
     assert r.status_code == 200
     assert (r.json()["propagated"], r.json()["backend"]["state"]) == (False, "draining")
+    # Reset is never published: false with Redis configured (null only without Redis).
+    assert httpx.post(f"{c.url}/admin/backends/a/reset").json()["propagated"] is False
     assert httpx.get(c.url + "/admin/affinity").json()["degraded"] is True

@@ -97,7 +97,7 @@ async def test_pinned_counts_follow_expiring_pins(stores: StoreFactory) -> None:
     await until(drained)
 
     async def forgotten() -> bool:
-        # The local mirror keeps a pin up to one generation (ttl/8) past Redis's exact expiry.
+        # The local mirror keeps a pin up to one generation (ttl/8) past its last use + ttl.
         return (await a.view("k0")).pinned is None
 
     await until(forgotten)

@@ -355,6 +355,7 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cert, key
 
 
+@pytest.mark.needs("openssl")
 async def test_https(anyio_backend: Any, certificate: tuple[Path, Path]) -> None:
     cert, key = certificate
     server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

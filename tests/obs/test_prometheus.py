@@ -22,6 +22,8 @@ from tools.procs import child, free_port, wait_http
 
 from clusters import Cluster, ClusterFactory
 
+pytestmark = pytest.mark.needs("prometheus")
+
 REQUIRE_ENV = "WARMROUTE_REQUIRE_PROMETHEUS"
 SCRAPE = "250ms"
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "prometheus.yml"
@@ -89,6 +91,32 @@ def wait_value(prom: str, expr: str, expected: float, timeout: float = 20.0) -> 
     pytest.fail(f"{expr} = {seen}, expected {expected}")
 
 
+def last_scrape(prom: str) -> str:
+    """When the gateway target's latest finished scrape started (set once that scrape is done)."""
+    targets = httpx.get(prom + "/api/v1/targets").json()["data"]["activeTargets"]
+    assert len(targets) == 1, targets
+    return str(targets[0]["lastScrape"])
+
+
+def wait_next_scrape(prom: str, timeout: float = 20.0) -> None:
+    """Poll until Prometheus has finished a scrape that started after this call's first look."""
+    before = last_scrape(prom)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if last_scrape(prom) != before:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no scrape finished after {before} within {timeout} s")
+
+
+def hold(prom: str, expr: str, expected: float) -> None:
+    """``expr`` is ``expected`` in at least two consecutive scrapes (~500 ms apart), so a subquery with a
+    step of one scrape interval sees it whatever the scrapes' jitter against the subquery's steps."""
+    wait_value(prom, expr, expected)
+    wait_next_scrape(prom)
+    assert scalar(prom, expr) == expected
+
+
 def traffic(c: Cluster, conversation: str, turns: int, streamed: int) -> None:
     """``turns`` plain requests of one conversation, then ``streamed`` new conversations, streamed."""
     for _ in range(turns):
@@ -114,11 +142,14 @@ def test_prometheus_scrapes_exact_counts_while_traffic_flows(cluster: ClusterFac
     with prometheus(tmp_path, c.url.removeprefix("http://")) as prom:
         wait_value(prom, 'up{job="warmroute"}', 1.0)
         total = "sum(warmroute_requests_total)"
-        # First half: Prometheus sees it before the second half starts, so it scraped mid-traffic.
-        traffic(c, "first", turns=4, streamed=2)
-        wait_value(prom, total, 6.0)
+        # Three batches, each held by Prometheus for two scrapes before the next starts: it records 4, 6
+        # and 10 in that order at any speed (a slower machine may add values in between).
+        traffic(c, "first", turns=4, streamed=0)
+        hold(prom, total, 4.0)
+        traffic(c, "first", turns=0, streamed=2)
+        hold(prom, total, 6.0)
         traffic(c, "second", turns=3, streamed=1)
-        wait_value(prom, total, 10.0)
+        hold(prom, total, 10.0)
         assert query(prom, "sum by (outcome) (warmroute_requests_total)") == {(("outcome", "ok"),): 10.0}
         decisions = query(prom, "warmroute_routing_decisions_total > 0")
         # Two multi-turn conversations (first turn new, the rest hits) and three streamed new ones.
@@ -138,6 +169,7 @@ def test_prometheus_scrapes_exact_counts_while_traffic_flows(cluster: ClusterFac
         }
         canaries = query(prom, "warmroute_canary_runs_total")
         assert canaries == {(("backend", b), ("check", "all"), ("result", "pass")): 1.0 for b in ("a", "b")}
-        # The counter went up between scrapes (it was scraped while traffic flowed), and no _created noise.
-        assert (scalar(prom, f"changes({total}[1m:{SCRAPE}])") or 0) >= 2
+        # The counter went up between scrapes (it was scraped while traffic flowed: 4 -> 6 -> 10 at least),
+        # and no _created noise.
+        assert (scalar(prom, f"changes({total}[5m:{SCRAPE}])") or 0) >= 2
         assert query(prom, 'count({__name__=~"warmroute_.*_created"})') == {}

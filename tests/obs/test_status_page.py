@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from cdp import chromium, chromium_binary
 from obs_engines import CHAT
 
@@ -98,6 +99,7 @@ def artifacts() -> Path:
     return out
 
 
+@pytest.mark.needs("chromium")
 def test_status_page_in_headless_chromium(cluster: ClusterFactory, tmp_path: Path) -> None:
     chromium_binary()  # skip (or fail under $WARMROUTE_REQUIRE_CHROMIUM=1) before starting anything
     gate = threading.Event()

@@ -7,7 +7,7 @@ import pytest
 from routing.affinity import GENERATIONS, AffinityTable
 
 TTL = 8.0
-WIDTH = TTL / GENERATIONS  # pins expire between TTL and TTL + WIDTH after their last use
+WIDTH = TTL / GENERATIONS  # a pin expires TTL after the latest use in its generation: TTL..TTL + WIDTH
 
 
 def test_claim_is_first_writer_wins() -> None:
@@ -31,27 +31,32 @@ def test_a_pin_lives_at_least_ttl_and_at_most_ttl_plus_one_generation() -> None:
     t = AffinityTable(ttl_s=TTL, max_entries=10)
     t.claim("old", "a", now=0)
     t.claim("kept", "b", now=0)
+    t.claim("late", "c", now=0.75)  # same generation ([0, 1)): it keeps the whole generation to 0.75 + TTL
     t.touch("kept", now=6.5)  # moves into the generation that opens at 6.5
     assert t.get("old", now=TTL) == "a"  # never forgotten before ttl_s
-    assert t.get("old", now=TTL + WIDTH) is None  # and gone once its generation is past
-    assert t.get("kept", now=TTL + WIDTH) == "b"
+    assert t.get("old", now=0.75 + TTL - 0.01) == "a"  # nor before its generation's latest use + ttl_s
+    assert t.get("old", now=0.75 + TTL) is None  # ttl_s + 0.75 after its last use: at most TTL + WIDTH
+    assert t.get("late", now=0.75 + TTL) is None
+    assert t.get("kept", now=0.75 + TTL) == "b"
     assert dict(t.counts()) == {"b": 1}
-    assert t.get("kept", now=6.5 + TTL) == "b"
-    assert t.get("kept", now=6.5 + TTL + WIDTH) is None
+    assert t.get("kept", now=6.5 + TTL - 0.01) == "b"
+    assert t.get("kept", now=6.5 + TTL) is None
     assert len(t) == 0 and dict(t.counts()) == {}
 
 
 def test_entry_reports_when_the_pin_expires() -> None:
     t = AffinityTable(ttl_s=TTL, max_entries=10)
     t.claim("k", "a", now=3.0)
-    assert t.entry("k") == ("a", 3.0 + WIDTH + TTL)
+    assert t.entry("k") == ("a", 3.0 + TTL)  # just used: exactly ttl_s from now
     assert t.entry("nope") is None
-    t.claim("j", "b", now=3.5)  # same generation as k
+    t.claim("j", "b", now=3.5)  # same generation as k: k lives as long as j now
+    assert (t.entry("k"), t.entry("j")) == (("a", 3.5 + TTL), ("b", 3.5 + TTL))
     t.claim("l", "a", now=5.0)  # a newer one
+    t.touch("l", now=5.25)  # a use in the current generation extends it too
     assert t.items() == [
-        ("k", "a", 3.0 + WIDTH + TTL),
-        ("j", "b", 3.0 + WIDTH + TTL),
-        ("l", "a", 5.0 + WIDTH + TTL),
+        ("k", "a", 3.5 + TTL),
+        ("j", "b", 3.5 + TTL),
+        ("l", "a", 5.25 + TTL),
     ]
 
 

@@ -21,6 +21,7 @@ import pytest
 from vision_deps import require_vision
 
 require_vision()
+pytestmark = pytest.mark.needs("vision")
 
 import torch  # noqa: E402
 from image_server import ImageServer  # noqa: E402

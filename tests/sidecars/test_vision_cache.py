@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from vision_deps import require_vision
 
 require_vision()
+pytestmark = pytest.mark.needs("vision")
 
 from sidecars.vision.cache import ByteLRU, Encoded, content_key  # noqa: E402
 

@@ -13,6 +13,7 @@ import pytest
 from vision_deps import require_vision
 
 require_vision()
+pytestmark = pytest.mark.needs("vision")
 
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402

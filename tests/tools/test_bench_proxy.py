@@ -72,6 +72,7 @@ class Recorder:
 
 
 @needs_wrk
+@pytest.mark.needs("wrk")
 def test_lua_script_sends_what_render_describes_with_a_fresh_token_per_request(
     tmp_path: Path,
 ) -> None:
@@ -93,6 +94,7 @@ def test_lua_script_sends_what_render_describes_with_a_fresh_token_per_request(
 
 
 @needs_wrk
+@pytest.mark.needs("wrk")
 def test_tiny_run_reports_both_paths_and_the_gateway_really_claimed_or_hit(tmp_path: Path) -> None:
     out = tmp_path / "proxy.json"
     argv = [sys.executable, "-m", "tools.bench_proxy", "--seconds", "1", "--rounds", "1", "--json", str(out)]
