@@ -207,7 +207,7 @@ def require_model(body: dict[str, Any]) -> str:
         raise BadRequest("'model' is required", param="model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
-    _check_text(model, "model")
+    check_text(model, "model")
     return model
 
 
@@ -223,7 +223,7 @@ def validate_chat(body: dict[str, Any]) -> str:
         role = msg.get("role")
         if not isinstance(role, str):
             raise BadRequest(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        _check_text(role, f"messages[{i}].role")
+        check_text(role, f"messages[{i}].role")
         content = msg.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise BadRequest(
@@ -242,11 +242,11 @@ def validate_completion(body: dict[str, Any]) -> str:
     if not isinstance(prompt, (str, list)):
         raise BadRequest("'prompt' must be a string or an array", param="prompt")
     if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
+        check_text(prompt, "prompt")
     else:
         for i, item in enumerate(prompt):
             if isinstance(item, str):
-                _check_text(item, f"prompt[{i}]")
+                check_text(item, f"prompt[{i}]")
     _check_common(body)
     return model
 
@@ -263,21 +263,22 @@ def _check_common(body: dict[str, Any]) -> None:
 def _check_content(content: Any, param: str) -> None:
     """Surrogates in what the key hashes of one message: its text, text parts and image URLs."""
     if isinstance(content, str):
-        _check_text(content, param)
+        check_text(content, param)
         return
     for j, part in enumerate(content or ()):
         if not isinstance(part, dict):
             continue  # hashed as JSON, which escapes surrogates
         text = part.get("text")
         if isinstance(text, str):
-            _check_text(text, f"{param}[{j}].text")
+            check_text(text, f"{param}[{j}].text")
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if isinstance(url, str):
-            _check_text(url, f"{param}[{j}].image_url" + (".url" if isinstance(image, dict) else ""))
+            check_text(url, f"{param}[{j}].image_url" + (".url" if isinstance(image, dict) else ""))
 
 
-def _check_text(value: str, param: str) -> None:
+def check_text(value: str, param: str) -> None:
+    """BadRequest naming ``param`` if ``value`` holds a lone surrogate (it has no UTF-8 encoding)."""
     if value.isascii():  # O(1): CPython keeps a flag
         return
     try:
