@@ -55,6 +55,8 @@ def render(result: Result) -> bytes:
 
 
 def error_response(exc: VisionError) -> JSONResponse:
+    """The refusal, and one log line for it (no traceback: it is handled)."""
+    log.info("refused an encode: %d %s: %s", exc.status, exc.code, exc.message)
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
