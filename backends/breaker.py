@@ -8,12 +8,25 @@ reports back frees its slot after one open period, so a lost result cannot wedge
 
 What counts as a failure is the caller's call: connect errors, 5xx and timeouts, not 4xx (the engine
 answered). Results that arrive while OPEN came from requests sent before it opened: they decide nothing.
+
+Blame: a failure only the engine can explain (``record(False, now)``: connect error, timeout, broken
+answer, or a 5xx for a request another engine then answered) counts as it is. A failure the request's own
+input could explain as well (``record(False, now, client=...)``: an HTTP 5xx no other engine was asked to
+confirm) counts toward ``failure_threshold`` too, but a streak made only of those opens the breaker only
+once ``ANSWER_CLIENTS_TO_OPEN`` distinct clients had one: one client alone cannot open it, however many
+requests it sends. A failure that is the request's own (another engine answered it with a 5xx as well)
+is no outcome at all: ``abstain`` (it frees a half-open trial slot, and counts nothing). A failed
+half-open trial reopens the breaker whatever its blame (the breaker opened on the engine's account).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+
+#: Distinct clients whose HTTP 5xx answers (those no other engine confirmed) it takes to open a breaker on
+#: such answers alone.
+ANSWER_CLIENTS_TO_OPEN = 2
 
 
 class CircuitState(StrEnum):
@@ -36,7 +49,7 @@ class BreakerPolicy:
 
 
 class CircuitBreaker:
-    __slots__ = ("_failures", "_open_for", "_opened_at", "_trial_at", "policy")
+    __slots__ = ("_clients", "_engine_failed", "_failures", "_open_for", "_opened_at", "_trial_at", "policy")
 
     def __init__(self, policy: BreakerPolicy | None = None) -> None:
         self.policy = policy or BreakerPolicy()
@@ -45,6 +58,8 @@ class CircuitBreaker:
     def reset(self) -> None:
         """Closed, no failures counted, the open period back to ``open_s``."""
         self._failures = 0
+        self._engine_failed = False  # the current streak has a failure only the engine explains
+        self._clients: set[str] = set()  # clients with a 5xx answer in it (at most ANSWER_CLIENTS_TO_OPEN)
         self._opened_at: float | None = None
         self._open_for = self.policy.open_s
         self._trial_at: float | None = None
@@ -86,8 +101,12 @@ class CircuitBreaker:
             self._trial_at = now
         return True
 
-    def record(self, success: bool, now: float) -> CircuitState:
-        """One request's outcome; returns the state after it (compare with ``state(now)`` before)."""
+    def record(self, success: bool, now: float, client: str | None = None) -> CircuitState:
+        """One request's outcome; returns the state after it (compare with ``state(now)`` before).
+
+        ``client``: for a failure the request's input could explain too (an HTTP 5xx no other engine was
+        asked to confirm), who sent the request; None for a failure only the engine explains.
+        """
         state = self.state(now)
         if state is CircuitState.OPEN:
             return state
@@ -97,11 +116,26 @@ class CircuitBreaker:
             self._open(now, min(self._open_for * 2, self.policy.open_max_s))
         else:
             self._failures += 1
-            if self._failures >= self.policy.failure_threshold:
+            if client is None:
+                self._engine_failed = True
+            elif len(self._clients) < ANSWER_CLIENTS_TO_OPEN:
+                self._clients.add(client)
+            if self._failures >= self.policy.failure_threshold and self._blames_the_engine():
                 self._open(now, self.policy.open_s)
         return self.state(now)
+
+    def abstain(self, now: float) -> None:
+        """A request that decided nothing about the engine (its failure was its own): a half-open trial slot
+        it held is free again; nothing is counted, and a streak of failures goes on."""
+        if self.state(now) is CircuitState.HALF_OPEN:
+            self._trial_at = None
+
+    def _blames_the_engine(self) -> bool:
+        return self._engine_failed or len(self._clients) >= ANSWER_CLIENTS_TO_OPEN
 
     def _open(self, now: float, period: float) -> None:
         self._opened_at = now
         self._open_for = period
         self._trial_at = None
+        self._engine_failed = False
+        self._clients = set()

@@ -24,7 +24,8 @@ class Command(StrEnum):
     UNDRAIN = "undrain"
     CORDON = "cordon"
     UNCORDON = "uncordon"
-    RESET = "reset"  # forget a give-up or a failed canary: restart a managed engine, re-probe any other
+    # Close the circuit; forget a give-up or a failed canary (a managed engine restarts, any other re-probes)
+    RESET = "reset"
 
 
 # -- events -------------------------------------------------------------------------------------------

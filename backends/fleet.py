@@ -112,9 +112,22 @@ class Fleet:
         return controller is None or controller.admit_request()
 
     def outcome(self, backend_id: str, ok: bool) -> None:
+        """A success, or a failure only the engine explains."""
         controller = self.controllers.get(backend_id)
         if controller is not None:
             controller.record_request(ok)
+
+    def answer_failed(self, backend_id: str, client: str) -> None:
+        """An HTTP 5xx no other engine confirmed: a failure, counted per client (``backends.breaker``)."""
+        controller = self.controllers.get(backend_id)
+        if controller is not None:
+            controller.record_request(False, client)
+
+    def abstain(self, backend_id: str) -> None:
+        """A failure that was the request's own: nothing for the breaker."""
+        controller = self.controllers.get(backend_id)
+        if controller is not None:
+            controller.abstain_request()
 
     def unreachable(self, backend_id: str, error: str) -> None:
         """A connect error on real traffic: a breaker failure, and conclusive for health (nothing listens

@@ -20,6 +20,8 @@ Decisions written down here (the tests hold every one):
 - The circuit breaker is a flag, not a state: an open circuit makes a READY backend unroutable
   (``routable``) without pretending the engine is down; half-open lets the breaker's single trial through.
   A passed canary closes it (``ResetBreaker``): the canary was a better trial than one request.
+- Operator RESET also closes the circuit and clears the breaker (``ResetBreaker``), in any admitted or DOWN
+  state: an operator who checked the engine need not wait out an open period.
 - Managed engines: an outage (exit, ``fail_threshold`` failed probes, no healthy probe within
   ``start_timeout_s``) restarts after ``grace_s`` from its start, and after a backoff doubling from
   ``backoff_initial_s`` for each restart already made in the last ``window_s``. With ``max_restarts``
@@ -237,7 +239,11 @@ def _process_exited(lc: Lifecycle, ev: ProcessExited, now: float, p: LifecyclePo
 
 def _operator(lc: Lifecycle, ev: Operator, now: float, p: LifecyclePolicy) -> Result:
     if ev.command is Command.RESET:
-        return (lc, []) if lc.stopped else _reset(lc, now, p)
+        if lc.stopped:
+            return lc, []
+        lc, actions = _reset_circuit(lc)
+        lc, more = _reset(lc, now, p)
+        return lc, actions + more
     drained = {Command.DRAIN: True, Command.UNDRAIN: False}.get(ev.command, lc.drained)
     cordoned = {Command.CORDON: True, Command.UNCORDON: False}.get(ev.command, lc.cordoned)
     lc = replace(lc, drained=drained, cordoned=cordoned)
@@ -342,6 +348,14 @@ def _restart(lc: Lifecycle, now: float, p: LifecyclePolicy, reason: str) -> Resu
         timer_seq=seq,
     )
     return lc, [RestartProcess(), ArmTimer(TimerKind.START_TIMEOUT, p.start_timeout_s, seq)]
+
+
+def _reset_circuit(lc: Lifecycle) -> Result:
+    """RESET forgets the breaker too: its failures, its open period, an open or half-open circuit."""
+    if lc.circuit is CircuitState.CLOSED:
+        return lc, [ResetBreaker()]
+    message = f"circuit {CircuitState.CLOSED}: reset by the operator (it was {lc.circuit})"
+    return replace(lc, circuit=CircuitState.CLOSED), [ResetBreaker(), Log(logging.INFO, message)]
 
 
 def _reset(lc: Lifecycle, now: float, p: LifecyclePolicy) -> Result:

@@ -54,6 +54,8 @@ CanaryRunner = Callable[[], Awaitable[CanaryResult]]
 TransitionHook = Callable[["BackendController", Event, Lifecycle, Sequence[Action]], None]
 EXITS_KEPT = 10
 STATUS_LINES = 20
+#: The shortest wait before looking at an open breaker again: a timer that fired early never spins the loop.
+RECHECK_MIN_S = 0.001
 
 log = logging.getLogger("warmroute.lifecycle")
 
@@ -158,11 +160,13 @@ class BackendController:
         finally:
             self._sending = False
 
-    def record_request(self, success: bool) -> None:
-        """A real request's outcome for the circuit breaker (connect error, 5xx, timeout: not success)."""
+    def record_request(self, success: bool, client: str | None = None) -> None:
+        """A real request's outcome for the circuit breaker (connect error, 5xx, timeout: not success).
+        ``client``: who sent it, for a 5xx answer the request's own input could explain too (see
+        ``backends.breaker``); None for a failure only the engine explains."""
         now = self._clock()
         before = self.breaker.state(now)
-        after = self.breaker.record(success, now)
+        after = self.breaker.record(success, now, client)
         if after is before:
             return
         if after is CircuitState.OPEN:
@@ -172,6 +176,10 @@ class BackendController:
             self._arm_circuit_check(now)
         else:
             self.send(CircuitChanged(after, "a request succeeded"))
+
+    def abstain_request(self) -> None:
+        """A request whose failure was its own (another engine failed it too): no outcome for the breaker."""
+        self.breaker.abstain(self._clock())
 
     def admit_request(self) -> bool:
         """May a new request go here now? Routable, and the breaker lets it (taking the half-open trial)."""
@@ -285,11 +293,19 @@ class BackendController:
         if self._circuit_timer is not None:
             self._circuit_timer.cancel()
         loop = asyncio.get_running_loop()
-        self._circuit_timer = loop.call_later(max(0.0, retry_at - now), self._circuit_check)
+        delay = max(RECHECK_MIN_S, retry_at - now)
+        self._circuit_timer = loop.call_later(delay, self._circuit_check)
 
     def _circuit_check(self) -> None:
-        state = self.breaker.state(self._clock())
-        if state is not self._lc.circuit:
+        """The open period's timer. The loop's timers may fire a little early by our clock (the loop counts
+        a timer due within its clock resolution, and its clock need not be ours): while the breaker still
+        reads OPEN, check again at ``retry_at``. So every open period ends, whatever the two clocks do."""
+        self._circuit_timer = None
+        now = self._clock()
+        state = self.breaker.state(now)
+        if state is CircuitState.OPEN:
+            self._arm_circuit_check(now)
+        elif state is not self._lc.circuit:
             self.send(CircuitChanged(state, "open period over: one trial request may go"))
 
     # -- the process ------------------------------------------------------------------------------------

@@ -92,12 +92,22 @@ class CanaryCheckConfig(_Section):
     one token repeated.
     """
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
-    messages: tuple[dict[str, Any], ...] | None = None
-    prompt: str | None = None
-    expect: str | None = Field(default=None, min_length=1)
-    expect_regex: str | None = Field(default=None, min_length=1)
-    max_tokens: int = Field(default=16, ge=1, le=4096)
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="The check's name: a metric label and log field",
+    )
+    messages: tuple[dict[str, Any], ...] | None = Field(
+        default=None, description="Chat messages to ask (/v1/chat/completions); or give prompt"
+    )
+    prompt: str | None = Field(default=None, description="A prompt to complete (/v1/completions)")
+    expect: str | None = Field(
+        default=None, min_length=1, description="The answer must contain this (case-insensitive)"
+    )
+    expect_regex: str | None = Field(
+        default=None, min_length=1, description="The answer must match this regular expression (re.search)"
+    )
+    max_tokens: int = Field(default=16, ge=1, le=4096, description="Tokens the answer may have")
     timeout_s: float | None = Field(
         default=None, gt=0, description="Deadline of this check; default canary.timeout_s"
     )
@@ -119,9 +129,11 @@ class CanaryCheckConfig(_Section):
 class CanaryConfig(_Section):
     """Admission checks. The top-level ``canary:`` is the default; a backend's own ``canary:`` replaces it."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="False: a backend takes traffic once its health passes")
     consistency: bool = Field(default=True, description="Run the default consistency check first")
-    consistency_prompt: str = Field(default=DEFAULT_CONSISTENCY_PROMPT, min_length=1)
+    consistency_prompt: str = Field(
+        default=DEFAULT_CONSISTENCY_PROMPT, min_length=1, description="Asked twice by the consistency check"
+    )
     max_tokens: int = Field(default=16, ge=2, le=4096, description="Of the default consistency check")
     checks: tuple[CanaryCheckConfig, ...] = Field(default=(), description="Knowledge questions, in order")
     needle_tokens: tuple[int, ...] = Field(
@@ -153,7 +165,7 @@ class RestartConfig(_Section):
     backoff_initial_s: float = Field(default=1.0, ge=0, description="Wait before the 2nd restart in a window")
     backoff_max_s: float = Field(default=60.0, ge=0, description="Doubling stops here")
     max_restarts: int = Field(default=5, ge=0, description="Restarts allowed per window; then give up")
-    window_s: float = Field(default=600.0, gt=0)
+    window_s: float = Field(default=600.0, gt=0, description="The window max_restarts counts over")
 
     @model_validator(mode="after")
     def _ordered(self) -> RestartConfig:
@@ -170,7 +182,7 @@ class ManagedConfig(_Section):
         default=None, description="Run to stop it; default SIGTERM to its process group, SIGKILL later"
     )
     env: dict[str, str] = Field(default_factory=dict, description="Added to the gateway's environment")
-    cwd: str | None = None
+    cwd: str | None = Field(default=None, description="Working directory; default the gateway's")
     start_timeout_s: float = Field(default=600.0, gt=0, description="From start to a passing health probe")
     stop_timeout_s: float = Field(default=30.0, gt=0, description="From stop request to SIGKILL")
     detached: bool = Field(
@@ -233,7 +245,8 @@ class OnDemandConfig(_Section):
 
 
 class BreakerConfig(_Section):
-    """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic."""
+    """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic (a 5xx is judged
+    with the request's other attempt first: gateway/blame.py)."""
 
     failure_threshold: int = Field(default=5, ge=1, description="Consecutive failures that open it")
     open_s: float = Field(default=10.0, gt=0, description="First open period; then one trial request")
@@ -256,12 +269,15 @@ class GuardAction(StrEnum):
 class GuardConfig(_Section):
     """Output-health guard on proxied responses: finish_reason counts, degenerate repetition in streams."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="False: no finish_reason counts, no repetition scan")
     repeat_count: int = Field(
         default=32, ge=2, description="A unit of content deltas repeated this many times in a row trips it"
     )
     max_period: int = Field(default=4, ge=1, le=16, description="Longest repeated unit, in deltas")
-    action: GuardAction = GuardAction.RECORD
+    action: GuardAction = Field(
+        default=GuardAction.RECORD,
+        description="record: log and count; end: also end the stream with an error",
+    )
 
 
 class VisionMode(StrEnum):
@@ -273,11 +289,22 @@ class VisionMode(StrEnum):
 
 
 class BackendConfig(_Section):
-    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """One engine (a ``backends[]`` entry); several with one model name are a pool."""
+
+    id: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$", description="Unique name: a metric label, admin API id"
+    )
     url: str = Field(description="Server root, e.g. http://10.0.0.5:8000 (a trailing /v1 is removed)")
-    models: tuple[str, ...] = Field(min_length=1)
-    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    dialect: Dialect = Dialect.OPENAI
+    models: tuple[str, ...] = Field(min_length=1, description="Model names it serves (the body's `model`)")
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Relative capacity: its share of new conversations",
+    )
+    dialect: Dialect = Field(
+        default=Dialect.OPENAI, description="How the engine spells thinking budgets and reasoning output"
+    )
     api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
     forward_client_key: bool = Field(
         default=False, description="Forward a gateway client key (auth.client_keys) to this engine"
@@ -326,7 +353,10 @@ class ModelConfig(_Section):
     )
     default_budget: int | None = Field(default=None, ge=0, description="When the client asks for none")
     max_budget: int | None = Field(default=None, ge=0, description="A larger requested budget is 400")
-    effort_budgets: dict[Effort, int] = Field(default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
+    effort_budgets: dict[Effort, int] = Field(
+        default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS),
+        description="reasoning_effort -> budget in tokens, when a client gives an effort and no budget",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -344,9 +374,15 @@ class ModelConfig(_Section):
 class ThinkingConfig(_Section):
     """Per-request thinking budgets (``thinking_budget`` / ``reasoning_effort``), see gateway/budgets.py."""
 
-    reasoning_fields: ReasoningFields = ReasoningFields.BOTH
-    budget_header: str = Field(default="x-thinking-budget", min_length=1)
-    effort_header: str = Field(default="x-reasoning-effort", min_length=1)
+    reasoning_fields: ReasoningFields = Field(
+        default=ReasoningFields.BOTH, description="Which reasoning field(s) the client receives"
+    )
+    budget_header: str = Field(
+        default="x-thinking-budget", min_length=1, description="Request header carrying a thinking budget"
+    )
+    effort_header: str = Field(
+        default="x-reasoning-effort", min_length=1, description="Request header carrying a reasoning effort"
+    )
     early_stop: str = Field(default=DEFAULT_EARLY_STOP, min_length=1, description="Ends a capped thought")
     open_marker: str = Field(default="<think>\n", description="Opens the thought in a continued turn")
     close_marker: str = Field(
@@ -355,10 +391,21 @@ class ThinkingConfig(_Section):
 
 
 class RoutingConfig(_Section):
-    policy: PolicyName = PolicyName.AFFINITY
-    session_header: str = Field(default="x-session-id", min_length=1)
-    affinity_ttl_s: float = Field(default=3600.0, gt=0)
-    affinity_max_entries: int = Field(default=500_000, ge=1)
+    """Where each request goes: the policy and its knobs."""
+
+    policy: PolicyName = Field(
+        default=PolicyName.AFFINITY,
+        description="affinity (default), ttft (opt-in), least_loaded and round_robin (benchmark baselines)",
+    )
+    session_header: str = Field(
+        default="x-session-id",
+        min_length=1,
+        description="A request header whose value is the conversation key",
+    )
+    affinity_ttl_s: float = Field(default=3600.0, gt=0, description="A pin unused this long is forgotten")
+    affinity_max_entries: int = Field(
+        default=500_000, ge=1, description="Pins kept in memory (LRU); about 128 bytes each"
+    )
     spill_factor: float = Field(
         default=2.0, gt=1, description="Spill when the pinned load exceeds this times the others' mean"
     )
@@ -391,14 +438,20 @@ class RoutingConfig(_Section):
 
 
 class TimeoutConfig(_Section):
-    connect_s: float = Field(default=5.0, gt=0)
+    """Clocks on each upstream attempt."""
+
+    connect_s: float = Field(default=5.0, gt=0, description="Connecting to an engine")
     first_byte_s: float = Field(default=600.0, gt=0, description="Upstream response headers")
     read_s: float = Field(default=300.0, gt=0, description="Longest silence between streamed chunks")
     request_s: float = Field(default=1800.0, gt=0, description="Whole request, stream included")
 
 
 class LimitsConfig(_Section):
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    """What a client request may be, and the upstream pool."""
+
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="Largest client request body (then 413)"
+    )
     max_json_values: int = Field(
         default=500_000,
         ge=1000,
@@ -423,22 +476,32 @@ class UpstreamConfig(_Section):
     pool_timeout_s: float = Field(
         default=30.0, gt=0, description="Longest wait for a free connection when all of an engine's are busy"
     )
-    max_response_header_bytes: int = Field(default=64 * 1024, ge=1024)
-    max_response_headers: int = Field(default=200, ge=8)
+    max_response_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest engine response head; past it the connection is aborted",
+    )
+    max_response_headers: int = Field(
+        default=200, ge=8, description="Header fields in an engine response; more aborts the connection"
+    )
 
 
 class HealthConfig(_Section):
-    interval_s: float = Field(default=5.0, gt=0)
-    timeout_s: float = Field(default=2.0, gt=0)
-    path: str = "/health"
+    """Health probes of every backend (and the vision sidecar)."""
+
+    interval_s: float = Field(default=5.0, gt=0, description="Time between probes of one backend")
+    timeout_s: float = Field(default=2.0, gt=0, description="Deadline of one probe")
+    path: str = Field(default="/health", description="Probed path (GET /v1/models when it answers 404)")
     fail_threshold: int = Field(default=2, ge=1, description="Consecutive failures that mark a backend down")
 
 
 class ServerConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8080, ge=0, le=65535)
-    workers: int = Field(default=1, ge=1)
-    log_level: str = "info"
+    """The gateway's own listener and worker processes."""
+
+    host: str = Field(default="127.0.0.1", description="Address of the API listener")
+    port: int = Field(default=8080, ge=0, le=65535, description="Port of the API listener")
+    workers: int = Field(default=1, ge=1, description="Worker processes; more than 1 needs redis.url")
+    log_level: str = Field(default="info", description="debug, info, warning, error")
     # What one client may do to the server (per worker process); see gateway/server.py.
     header_timeout_s: float = Field(
         default=10.0, gt=0, description="From accept (or the next request's first byte) to a complete head"
@@ -483,8 +546,8 @@ class RedisConfig(_Section):
     heartbeat_s: float = Field(
         default=1.0, gt=0, description="How often an idle replica republishes its in-flight counts"
     )
-    reconnect_min_s: float = Field(default=0.2, gt=0)
-    reconnect_max_s: float = Field(default=5.0, gt=0)
+    reconnect_min_s: float = Field(default=0.2, gt=0, description="First reconnect delay after an outage")
+    reconnect_max_s: float = Field(default=5.0, gt=0, description="The doubling reconnect delay stops here")
     max_connections: int = Field(default=32, ge=1, description="Connection pool size per worker")
 
     @model_validator(mode="after")
@@ -516,7 +579,9 @@ class AdminConfig(_Section):
     sync_interval_s: float = Field(
         default=1.0, gt=0, description="With Redis: how often replicas poll for backend changes"
     )
-    max_body_bytes: int = Field(default=256 * 1024, ge=1024)
+    max_body_bytes: int = Field(
+        default=256 * 1024, ge=1024, description="Largest admin request body (then 413)"
+    )
 
     def secret(self) -> str | None:
         """The configured token (the file wins), stripped; None when none is configured."""
@@ -530,7 +595,14 @@ class AdminConfig(_Section):
 
 
 class ClientKey(_Section):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """One client API key."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="The client's name: a metric label, what on_demand.hold_clients lists",
+    )
     key: SecretStr = Field(description="The bearer token this client sends")
 
 
@@ -588,7 +660,7 @@ class SidecarConfig(_Section):
     timeout_s: float = Field(
         default=120.0, gt=0, description="One encode, the sidecar's queue included; past it: 503"
     )
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="Connecting to the sidecar")
     max_parallel: int = Field(
         default=4, ge=1, description="Encodes in flight from this gateway process; more wait their turn"
     )
@@ -600,11 +672,13 @@ class SidecarConfig(_Section):
 
 
 class Settings(BaseSettings):
+    """The whole configuration: one YAML file plus ``WARMROUTE_*`` environment overrides."""
+
     model_config = SettingsConfigDict(
         env_prefix="WARMROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    backends: tuple[BackendConfig, ...] = ()
+    backends: tuple[BackendConfig, ...] = Field(default=(), description="The engines the gateway routes to")
     routing: RoutingConfig = RoutingConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     limits: LimitsConfig = LimitsConfig()

@@ -40,6 +40,7 @@ class RequestContext:
     started_at: float = field(default_factory=time.monotonic)
     thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any
     client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any
+    peer: str | None = None  # the connection's remote address (host only), if the server told
     vision: VisionMemo | None = None  # the request's images and their encodings (gateway/vision.py)
     ineligible: frozenset[str] = frozenset()  # backends that cannot serve this request (``RouteFilter``)
     # -- filled in by the proxy's phases --------------------------------------------------------------
@@ -59,6 +60,14 @@ class RequestContext:
     def remaining(self, request_s: float) -> float:
         """Seconds left of the whole-request budget ``request_s`` (negative once it is spent)."""
         return request_s - (time.monotonic() - self.started_at)
+
+    @property
+    def requester(self) -> str:
+        """Who sent it, to tell clients apart (a breaker counts 5xx answers per client: gateway/blame.py):
+        the client key's name, else the peer's address; one shared "unknown" when neither is known."""
+        if self.client is not None:
+            return f"key:{self.client}"
+        return "unknown" if self.peer is None else f"peer:{self.peer}"
 
     @property
     def backend(self) -> Backend | None:

@@ -3,7 +3,7 @@
 Every ``shape`` works on the attempt's top-level copy of the body (``Draft.edit()``): it replaces values,
 never mutates nested ones (``chat_template_kwargs`` is rebuilt, not updated).
 
-Facts (../shared/ENGINES.md, the engines' source):
+Facts (read from each engine's own source; the user-facing table is docs/thinking-budgets.md):
 - vLLM: ``thinking_token_budget`` (top level); ``chat_template_kwargs.enable_thinking: false`` turns thinking
   off; ``reasoning_effort`` accepts none|minimal|low|medium|high|xhigh|max.
 - SGLang: ``custom_params: {"thinking_budget": N}`` (read by its ThinkingBudgetLogitProcessor; the server runs

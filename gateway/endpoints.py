@@ -87,6 +87,8 @@ class Endpoint:
     ) -> RequestContext:
         ctx = RequestContext(scope["method"], path, raw, body, model, key, self.policy, scope["headers"])
         ctx.client = client_of(scope)  # the client key's configured name (gateway/auth.py), if keys are on
+        peer = scope.get("client")
+        ctx.peer = None if not peer else str(peer[0])
         return ctx
 
 

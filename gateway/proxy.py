@@ -9,7 +9,9 @@
   *before the first byte* is retried once on the next choice, unseen by the client;
 - admission: a chosen backend must ``admit`` the request (its circuit breaker: when half-open only one
   trial goes); a refusal routes to the next choice. Every attempt's outcome feeds the breaker (connect
-  error, timeout, 5xx, broken before or during the answer: failure; any other answer, 4xx included: success);
+  error, timeout, broken before or during the answer: failure; any other answer, 4xx included: success);
+  a 5xx answer is judged with the request's other attempt (gateway/blame.py), so that a request every
+  engine fails is held against none of them;
 - relay: the response streamed through unbuffered, each chunk shown to the output guard first; a failure
   *after* bytes were sent ends an SSE stream with an error event and ``[DONE]``, never a hang. Engine
   silence is timed, the client's reading is not;
@@ -31,6 +33,7 @@ from starlette.types import Receive, Send
 
 from backends.registry import Registry
 from config.settings import GuardAction, GuardConfig, TimeoutConfig
+from gateway.blame import OutcomeFeed, settle
 from gateway.context import Draft, PrepareStep, RequestContext, RouteFilter
 from gateway.errors import (
     GatewayError,
@@ -67,12 +70,10 @@ log = logging.getLogger("warmroute.proxy")
 Attempt = TransportResponse | UpstreamError
 
 
-class RequestFeed(Protocol):
+class RequestFeed(OutcomeFeed, Protocol):
     """The backends' lifecycles as the proxy sees them (``backends.fleet.Fleet``). No I/O, never blocks."""
 
     def admit(self, backend_id: str) -> bool: ...
-
-    def outcome(self, backend_id: str, ok: bool) -> None: ...
 
     def unreachable(self, backend_id: str, error: str) -> None: ...
 
@@ -84,6 +85,12 @@ class AdmitAll:
         return True
 
     def outcome(self, backend_id: str, ok: bool) -> None:
+        return None
+
+    def answer_failed(self, backend_id: str, client: str) -> None:
+        return None
+
+    def abstain(self, backend_id: str) -> None:
         return None
 
     def unreachable(self, backend_id: str, error: str) -> None:
@@ -186,14 +193,17 @@ class Proxy:
             return result
         retry, _ = await self._choose(ctx, view, refused | {backend})
         if retry is None:
+            settle(self.feed, ctx.requester, [(backend, _status(result))], f"{ctx.method} {ctx.path}")
             if isinstance(result, UpstreamError):
                 raise result
             return result  # nobody else to ask: the engine's own 5xx is the most useful answer
         await self._abandon(ctx, result)
-        result = await self._attempt(ctx, retry)
-        if isinstance(result, UpstreamError):
-            raise result
-        return result
+        second = await self._attempt(ctx, retry)
+        attempts = [(backend, _status(result)), (retry, _status(second))]
+        settle(self.feed, ctx.requester, attempts, f"{ctx.method} {ctx.path}")
+        if isinstance(second, UpstreamError):
+            raise second
+        return second
 
     async def _choose(
         self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]
@@ -277,7 +287,8 @@ class Proxy:
             return self._failed(backend_id, AttemptOutcome.BROKEN, UpstreamError, "failed before answering")
         ctx.upstream = response
         failed = response.status >= 500
-        self.feed.outcome(backend_id, not failed)
+        if not failed:  # a 5xx is judged once the request's other attempt is known (``settle``)
+            self.feed.outcome(backend_id, True)
         self.metrics.attempt(backend_id, AttemptOutcome.HTTP_5XX if failed else AttemptOutcome.OK)
         return response
 
@@ -436,6 +447,11 @@ class Proxy:
         )
         what = f"model {model!r}" if model else "this request"
         return f"no healthy backend for {what} ({states or 'none configured'})"
+
+
+def _status(attempt: Attempt) -> int | None:
+    """An attempt's answer (None: it failed without one)."""
+    return None if isinstance(attempt, UpstreamError) else attempt.status
 
 
 def _answered(status: int) -> RequestOutcome:

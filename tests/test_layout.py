@@ -1,5 +1,5 @@
-"""The product does not depend on its tooling or its tests (DESIGN: tools may import anything; nothing in
-the product imports them).
+"""The product does not depend on its tooling or its tests (tools may import anything; nothing in the
+product imports them).
 
 Nothing in config/, routing/, backends/, gateway/ or sidecars/ has an import statement naming ``tools`` or
 ``tests``. The single exception is by name, not by import statement: ``gateway/cli.py`` maps ``warmroute

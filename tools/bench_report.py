@@ -1,6 +1,6 @@
 """Numbers of a routing benchmark: per-run statistics, medians over rounds, the printed table, JSON, a plot.
 
-Rules (DESIGN "What we measure"): say how many streams, the per-stream decode speed, the context per stream
+Rules (docs/benchmarks.md): say how many streams, the per-stream decode speed, the context per stream
 and decode vs end-to-end time; TTFT is the figure of merit; compare policies from one run as ratios; quote
 medians over rounds.
 """

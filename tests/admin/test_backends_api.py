@@ -143,7 +143,26 @@ def test_reset_is_local_and_says_so(cluster: ClusterFactory) -> None:
     r = admin(c.url, "POST", "/backends/a/reset")
     assert r.status_code == 200
     assert r.json()["warnings"] == ["reset acts on this replica only (each replica probes its own engines)"]
-    assert r.json()["backend"]["state"] == "ready"  # reset acts on DOWN backends only
+    assert r.json()["backend"]["state"] == "ready"  # a READY backend stays READY (its breaker is cleared)
+
+
+def test_reset_closes_an_open_circuit_and_the_backend_takes_traffic_again(cluster: ClusterFactory) -> None:
+    # Defect: reset acted on DOWN backends only, so an open (or wedged-open) circuit outlived it.
+    breaker = {"failure_threshold": 1, "open_s": 600, "open_max_s": 600}
+    c = cluster(engines=[FakeEngine("a", die_after=1)], breaker=breaker)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    r = httpx.post(c.url + "/v1/chat/completions", json=body, timeout=10)
+    assert b"event: error" in r.content  # broke mid-stream: a breaker failure
+    a = admin(c.url, "GET", "/backends/a").json()
+    assert (a["state"], a["circuit"], a["routable"]) == ("ready", "open", False)
+    assert chat(c.url, "refused").status_code == 503
+    c.engines["a"].die_after = None
+    r = admin(c.url, "POST", "/backends/a/reset")
+    assert r.status_code == 200
+    view = r.json()["backend"]
+    assert (view["state"], view["circuit"], view["routable"]) == ("ready", "closed", True)
+    assert [chat(c.url, f"after-{i}").status_code for i in range(3)] == [200, 200, 200]
+    assert c.gateway.fleet.controllers["a"].breaker.consecutive_failures == 0
 
 
 def test_patch_weight(cluster: ClusterFactory) -> None:

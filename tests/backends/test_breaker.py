@@ -89,6 +89,51 @@ def test_reset_closes_it() -> None:
     assert (breaker.state(0.0), breaker.allows(0.0), breaker.consecutive_failures) == (CLOSED, True, 0)
 
 
+def test_one_clients_5xx_answers_never_open_it_however_many() -> None:
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=1))
+    assert {breaker.record(False, float(t), client="key:mallory") for t in range(100)} == {CLOSED}
+    assert breaker.consecutive_failures == 100  # counted, but one client explains them all
+
+
+def test_5xx_answers_from_two_clients_open_it_at_the_threshold() -> None:
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=3))
+    got = [breaker.record(False, 1.0, client=c) for c in ("peer:a", "peer:a", "peer:a", "peer:b")]
+    assert got == [CLOSED, CLOSED, CLOSED, OPEN]  # three failures, but only the second client's opened it
+    assert breaker.retry_at() == 11.0
+
+
+def test_a_failure_only_the_engine_explains_opens_it_alongside_one_clients_answers() -> None:
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=3))
+    assert [breaker.record(False, 1.0, client="peer:a") for _ in range(2)] == [CLOSED, CLOSED]
+    assert breaker.record(False, 1.0) is OPEN  # a connect error, a timeout: the engine's own
+
+
+def test_a_success_starts_the_client_count_afresh() -> None:
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=1))
+    assert breaker.record(False, 1.0, client="peer:a") is CLOSED
+    assert breaker.record(True, 1.0) is CLOSED
+    assert breaker.record(False, 1.0, client="peer:b") is CLOSED  # peer:a's failure is forgotten
+    assert breaker.record(False, 1.0, client="peer:a") is OPEN
+
+
+def test_abstain_counts_nothing_and_frees_the_half_open_trial() -> None:
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=2))
+    breaker.record(False, 0.0)
+    breaker.abstain(0.0)
+    assert (breaker.state(0.0), breaker.consecutive_failures) == (CLOSED, 1)  # the streak goes on
+    assert breaker.record(False, 0.0) is OPEN
+    assert breaker.begin(10.0) is True  # the trial: a request every engine fails (the request's own)
+    assert breaker.allows(10.0) is False
+    breaker.abstain(10.0)
+    assert (breaker.state(10.0), breaker.begin(10.0)) == (HALF_OPEN, True)  # the next request is the trial
+
+
+def test_a_failed_trial_reopens_it_whoever_sent_it() -> None:
+    breaker = opened(threshold=1, open_s=10.0)
+    assert breaker.begin(10.0)
+    assert breaker.record(False, 10.0, client="peer:a") is OPEN
+
+
 def test_state_values_are_stable_metric_labels() -> None:
     assert [s.value for s in CircuitState] == ["closed", "open", "half_open"]
 

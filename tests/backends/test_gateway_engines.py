@@ -135,13 +135,22 @@ async def test_the_breaker_opens_on_a_5xx_burst_and_closes_after_a_half_open_suc
 ) -> None:
     (sim,) = sims([])
     breaker = {"failure_threshold": 3, "open_s": 0.5, "open_max_s": 1.0}
-    async with gateway([backend("a", sim)], breaker=breaker) as (url, gw), httpx.AsyncClient() as c:
+    # The only engine for its model: its 5xx answers are counted per client, and open it once two clients
+    # had one (one client alone could be sending what the engine chokes on).
+    keys = [{"name": "x", "key": "key-of-x"}, {"name": "y", "key": "key-of-y"}]
+    auth = {"client_keys": keys}
+    async with (
+        gateway([backend("a", sim)], breaker=breaker, auth=auth) as (url, gw),
+        httpx.AsyncClient(headers={"authorization": "Bearer key-of-x"}) as c,
+    ):
         tl = Timeline(gw)
         await tl.until(lambda: state(gw, "a") is S.READY)
         ctl = gw.fleet.controllers["a"]
         await faults(c, sim, fail_next=3)
-        for _ in range(3):
-            assert (await c.post(url + "/v1/chat/completions", json=CHAT)).status_code == 500
+        for key in ("key-of-x", "key-of-x", "key-of-y"):
+            headers = {"authorization": f"Bearer {key}"}
+            r = await c.post(url + "/v1/chat/completions", json=CHAT, headers=headers)
+            assert r.status_code == 500
         assert ctl.status()["circuit"] == "open" and state(gw, "a") is S.READY  # not DOWN: it answers
         r = await c.post(url + "/v1/chat/completions", json=CHAT)
         assert (r.status_code, r.json()["error"]["code"]) == (503, "no_healthy_backend")

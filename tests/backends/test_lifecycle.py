@@ -309,7 +309,7 @@ TABLE: list[tuple[str, LifecyclePolicy, Lifecycle, Event, BackendState, list[Act
         at(S.DOWN, gave_up=True, restarts=(99.0,)),
         Operator(Command.RESET),
         S.STARTING,
-        [RestartProcess(), ArmTimer(START_TO, 60.0, 2)],
+        [ResetBreaker(), RestartProcess(), ArmTimer(START_TO, 60.0, 2)],
     ),
     (
         "op/reset-unmanaged-down",
@@ -317,9 +317,17 @@ TABLE: list[tuple[str, LifecyclePolicy, Lifecycle, Event, BackendState, list[Act
         at(S.DOWN, canary_retry_at=NOW + 30),
         Operator(Command.RESET),
         S.STARTING,
-        [],
+        [ResetBreaker()],
     ),
-    ("op/reset-ready-does-nothing", M, at(S.READY), Operator(Command.RESET), S.READY, []),
+    ("op/reset-ready-clears-the-breaker", M, at(S.READY), Operator(Command.RESET), S.READY, [ResetBreaker()]),
+    (
+        "op/reset-ready-closes-an-open-circuit",
+        U,
+        at(S.READY, circuit=CircuitState.OPEN),
+        Operator(Command.RESET),
+        S.READY,
+        [ResetBreaker()],
+    ),
     # -- configuration ------------------------------------------------------------------------------
     (
         "config/added-managed-starts",
@@ -433,6 +441,25 @@ def test_reset_forgets_the_give_up_and_the_restart_history() -> None:
         (),
         "starting the engine process (reset by the operator)",
     )
+
+
+@pytest.mark.parametrize("circuit", [CircuitState.OPEN, CircuitState.HALF_OPEN])
+@pytest.mark.parametrize("state", [S.READY, S.CORDONED, S.DOWN])
+def test_reset_closes_the_circuit_so_a_ready_backend_is_routable_again(
+    circuit: CircuitState, state: BackendState
+) -> None:
+    before = at(state, circuit=circuit, cordoned=state is S.CORDONED)
+    after, actions = step(before, Operator(Command.RESET), U)
+    assert after.circuit is CircuitState.CLOSED
+    assert ResetBreaker() in actions
+    assert after.routable is (state is S.READY)
+    assert after.state is (S.STARTING if state is S.DOWN else state)  # DOWN: re-probed as before
+
+
+def test_a_reset_that_closes_the_circuit_says_so() -> None:
+    _, actions = transition(at(S.READY, circuit=CircuitState.OPEN), Operator(Command.RESET), NOW, U)
+    said = "circuit closed: reset by the operator (it was open)"
+    assert actions == [ResetBreaker(), Log(logging.INFO, said)]
 
 
 def test_operator_flags_are_kept_while_down() -> None:

@@ -250,6 +250,54 @@ async def test_the_breaker_opens_on_failures_half_opens_on_time_and_closes_on_su
     await ctl.aclose()
 
 
+async def test_every_open_period_ends_even_when_the_loop_timer_fires_before_the_clock_says_so() -> None:
+    # Defect: the open period's timer fired a few microseconds early by the breaker's clock, the check read
+    # OPEN and was never armed again: the circuit stayed open for good. Here the controller's clock runs at
+    # 90 % of the loop's rate, so every timer it arms fires early by its clock: each of the 50 periods must
+    # still half-open.
+    periods = 50
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    def lagging() -> float:
+        return start + (loop.time() - start) * 0.9
+
+    async def canary() -> CanaryResult:
+        return CanaryResult(True, None, None, "no canary checks configured")
+
+    breaker = CircuitBreaker(BreakerPolicy(1, open_s=0.005, open_max_s=0.005))
+    ctl, watcher = unmanaged(canary, breaker=breaker, clock=lagging)
+    ctl.send(ProbeOk())
+    await watcher.until(lambda: ctl.lifecycle.state is S.READY)
+    seen = []
+    for _ in range(periods):
+        assert ctl.admit_request() is True  # closed at first, then each period's one trial
+        ctl.record_request(False)  # the trial fails: open again
+        assert (ctl.status()["circuit"], ctl.lifecycle.routable) == ("open", False)
+        await watcher.until(lambda: ctl.lifecycle.routable, within=5)
+        seen.append((ctl.status()["circuit"], breaker.state(lagging()).value))  # both agree: a trial may go
+    assert seen == [("half_open", "half_open")] * periods
+    await ctl.aclose()
+
+
+async def test_operator_reset_closes_an_open_circuit_and_the_backend_is_routable_again() -> None:
+    async def canary() -> CanaryResult:
+        return CanaryResult(True, None, None, "no canary checks configured")
+
+    breaker = CircuitBreaker(BreakerPolicy(1, open_s=600, open_max_s=600))
+    ctl, watcher = unmanaged(canary, breaker=breaker)
+    ctl.send(ProbeOk())
+    await watcher.until(lambda: ctl.lifecycle.state is S.READY)
+    ctl.record_request(False)
+    assert (ctl.status()["circuit"], ctl.lifecycle.routable, ctl.admit_request()) == ("open", False, False)
+    ctl.send(Operator(Command.RESET))
+    assert (ctl.status()["circuit"], ctl.lifecycle.routable) == ("closed", True)
+    assert (breaker.retry_at(), breaker.consecutive_failures) == (None, 0)
+    assert [ctl.admit_request(), ctl.admit_request()] == [True, True]  # closed: no single-trial limit
+    assert ctl.lifecycle.state is S.READY
+    await ctl.aclose()
+
+
 async def test_operator_commands_and_events_sent_from_on_change_are_applied_in_order() -> None:
     async def canary() -> CanaryResult:
         return CanaryResult(True, None, None, "ok")

@@ -3,8 +3,8 @@ chat template, for tests/e2e/test_vision*.py. Run it with the VL venv's interpre
 
     ~/.cache/warmroute/e2e-vl-venv/bin/python tests/e2e/make_vl_model.py   # cached; prints the model dir
 
-Sizes from ENGINES.md: text hidden 256 (4 heads of 64: the CPU attention refuses head_dim 16), 2 layers;
-vision depth 2, hidden 64, out_hidden 256, patch 14, merge 2. The weights are re-sharded so the
+Sizes the CPU engines accept: text hidden 256 (4 heads of 64: the CPU attention refuses head_dim 16),
+2 layers; vision depth 2, hidden 64, out_hidden 256, patch 14, merge 2. The weights are re-sharded so the
 vision tensors (``visual.*``) sit on the *last* shard (transformers writes them first), with
 ``model.safetensors.index.json``: the sidecar must find them from the index, not from their position.
 Deterministic; the cache directory is named after a hash of this file.

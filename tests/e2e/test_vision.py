@@ -45,7 +45,7 @@ from upstreams import serve  # tests/ is on sys.path: pytest puts it there for t
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-vl"
 SIDECAR_START_S = 180.0
-LOGPROB_TOLERANCE = 0.05  # bf16 on both paths; ENGINES.md measured <= 0.01
+LOGPROB_TOLERANCE = 0.05  # bf16 on both paths; measured <= 0.0076 (docs/vision.md)
 IMAGES = {"a": (112, 84), "b": (56, 84), "c": (140, 112)}  # multiples of 28: patch 14 x merge 2
 
 

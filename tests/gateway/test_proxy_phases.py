@@ -131,15 +131,23 @@ class BreakerFeed:
 
     def __init__(self, policy: BreakerPolicy | None = None) -> None:
         self.breakers = {n: CircuitBreaker(policy) for n in ("a", "b")}
-        self.outcomes: list[tuple[str, bool]] = []
+        self.outcomes: list[tuple[str, str]] = []  # (backend, "ok"/"failed"/"5xx from <client>"/"abstain")
         self.unreachable_seen: list[str] = []
 
     def admit(self, backend_id: str) -> bool:
         return self.breakers[backend_id].begin(time.monotonic())
 
     def outcome(self, backend_id: str, ok: bool) -> None:
-        self.outcomes.append((backend_id, ok))
+        self.outcomes.append((backend_id, "ok" if ok else "failed"))
         self.breakers[backend_id].record(ok, time.monotonic())
+
+    def answer_failed(self, backend_id: str, client: str) -> None:
+        self.outcomes.append((backend_id, f"5xx from {client}"))
+        self.breakers[backend_id].record(False, time.monotonic(), client)
+
+    def abstain(self, backend_id: str) -> None:
+        self.outcomes.append((backend_id, "abstain"))
+        self.breakers[backend_id].abstain(time.monotonic())
 
     def unreachable(self, backend_id: str, error: str) -> None:
         self.unreachable_seen.append(backend_id)
@@ -160,7 +168,8 @@ async def test_every_attempt_feeds_the_breaker_and_a_4xx_is_a_success() -> None:
     proxy = proxy_with(fake, feed)
     assert status_and_body(await run(proxy, context()))[0] == 502  # a: 500, retried on b: refused
     assert status_and_body(await run(proxy, context()))[0] == 400  # then a again: its 400
-    assert feed.outcomes == [("a", False), ("b", False), ("a", True)]
+    # a's 500 is judged once b's attempt is known: b failed without an answer, so nobody confirmed it.
+    assert feed.outcomes == [("b", "failed"), ("a", "5xx from unknown"), ("a", "ok")]
     assert feed.unreachable_seen == ["b"]
 
 
@@ -192,4 +201,65 @@ async def test_an_engine_that_breaks_mid_stream_is_a_breaker_failure_too() -> No
     feed = BreakerFeed()
     sent = await run(proxy_with(fake, feed), context())
     assert b"event: error" in status_and_body(sent)[1]
-    assert feed.outcomes == [("a", True), ("a", False)]  # the head was an answer; the break was not
+    assert feed.outcomes == [("a", "ok"), ("a", "failed")]  # the head was an answer; the break was not
+
+
+async def test_a_5xx_from_both_engines_is_the_requests_own_and_held_against_neither(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply.json({"error": "poison"}, status=500))
+    fake.script("http://b", Reply.json({"error": "poison"}, status=502))
+    feed = BreakerFeed(BreakerPolicy(failure_threshold=1))
+    with caplog.at_level("WARNING", logger="warmroute.blame"):
+        status, _ = status_and_body(await run(proxy_with(fake, feed), context()))
+    assert status == 502  # the retry's own answer, relayed
+    assert feed.outcomes == [("a", "abstain"), ("b", "abstain")]
+    states = {n: b.state(time.monotonic()).value for n, b in feed.breakers.items()}
+    assert states == {"a": "closed", "b": "closed"}
+    assert [r.getMessage() for r in caplog.records if r.name == "warmroute.blame"] == [
+        "POST /v1/chat/completions from unknown: 500 from backend a, then 502 from backend b: the request's "
+        "own failure, held against neither breaker"
+    ]
+    assert fake.unclosed() == []
+
+
+async def test_a_5xx_that_another_engine_answers_counts_against_the_engine() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply.json({"error": "engine broke"}, status=500))
+    fake.script("http://b", Reply.json(OK))
+    feed = BreakerFeed(BreakerPolicy(failure_threshold=1))
+    assert status_and_body(await run(proxy_with(fake, feed), context()))[0] == 200
+    assert feed.outcomes == [("b", "ok"), ("a", "failed")]  # the input was fine: a's failure is a's own
+    assert feed.breakers["a"].state(time.monotonic()).value == "open"
+
+
+async def test_a_5xx_with_nobody_else_to_ask_counts_per_client() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", *[Reply.json({"error": "?"}, status=500)] * 3)
+    feed = BreakerFeed(BreakerPolicy(failure_threshold=1))
+    feed.breakers["b"].record(False, time.monotonic())  # b open: a is the only choice
+    proxy = proxy_with(fake, feed)
+    for client in ("x", "x", "y"):
+        ctx = context()
+        ctx.client = client
+        assert status_and_body(await run(proxy, ctx))[0] == 500
+    assert feed.outcomes == [("a", "5xx from key:x"), ("a", "5xx from key:x"), ("a", "5xx from key:y")]
+    assert feed.breakers["a"].consecutive_failures == 3
+    assert feed.breakers["a"].state(time.monotonic()).value == "open"  # x alone did not; y's made two
+
+
+async def test_a_poison_request_that_takes_the_half_open_trial_gives_it_back() -> None:
+    fake = FakeTransport()
+    fake.script("http://a", Reply.json({"error": "poison"}, status=500), Reply.json(OK))
+    fake.script("http://b", Reply.json({"error": "poison"}, status=500))
+    feed = BreakerFeed(BreakerPolicy(failure_threshold=1, open_s=0.01, open_max_s=0.01))
+    feed.breakers["a"].record(False, time.monotonic() - 1)  # opened a second ago: half-open now
+    proxy = proxy_with(fake, feed)
+    assert status_and_body(await run(proxy, context()))[0] == 500  # the trial on a, then b: both 500
+    assert feed.breakers["a"].state(time.monotonic()).value == "half_open"
+    assert feed.breakers["a"].allows(time.monotonic())  # the trial slot is free again
+    ctx = context()
+    ctx.ineligible = frozenset({"b"})
+    assert status_and_body(await run(proxy, ctx))[0] == 200  # the next request is the trial, and closes it
+    assert feed.breakers["a"].state(time.monotonic()).value == "closed"

@@ -1,6 +1,7 @@
 """A tiny random-weight Qwen2.5-VL checkpoint, made at test time (nothing can be downloaded here).
 
-Sizes from ENGINES.md (text hidden 256; vision depth 2, hidden 64, out_hidden 256, patch 14, merge 2), saved
+Sizes the real engines were seen to serve on the CPU (text hidden 256; vision depth 2, hidden 64,
+out_hidden 256, patch 14, merge 2), saved
 in small shards so the ``model.visual.*`` tensors sit on shards of their own, after the text model's, and
 ``model.safetensors.index.json`` exists. bfloat16, as the engines serve it.
 """

@@ -1,7 +1,9 @@
-"""The README's operator-facing claims held to the code: the admin paths it names and the bodies its curl
-examples send, the settings keys in its tables and their defaults (the vision sidecar's own settings too),
-the series its metrics table lists, the on-demand refusal codes, the sidecar's refusal codes, and its YAML
-examples. A gateway is built in process (no lifespan, no sockets)."""
+"""The docs' operator-facing claims held to the code (README.md and every page under docs/): the admin paths
+they name and the bodies their curl examples send, the settings keys in their tables and their defaults (the
+vision sidecar's own settings too), the series the metrics table lists, the on-demand refusal codes, the
+sidecar's refusal codes, and the YAML examples; the generated reference pages are current and every setting
+has a description; the README names only files that exist. A gateway is built in process (no lifespan, no
+sockets)."""
 
 from __future__ import annotations
 
@@ -33,25 +35,46 @@ from config.settings import (
     load_settings,
 )
 from gateway.admin.openapi import document
-from gateway.app import Gateway, HotPath, create_app
+from gateway.app import Gateway, HotPath
 from gateway.waiting import _CODES as ON_DEMAND_CODES  # the one table of the 503 codes
 from sidecars.vision import errors as sidecar_errors
 from sidecars.vision.settings import VisionSettings
+from tools import gen_docs
 
 from compose_model import ENV_EXAMPLE, read_env_file
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 ON_DEMAND_FIELDS = ("on_demand", "idle_ttl_s", "group")  # ManagedConfig's on-demand keys
 
 
+def pages() -> list[Path]:
+    """README.md and every page of the docs site (docs/index.md is the README again: left out)."""
+    return [README, *sorted(p for p in DOCS.rglob("*.md") if p != DOCS / "index.md")]
+
+
 def text() -> str:
-    return README.read_text()
+    return "\n".join(p.read_text() for p in pages())
 
 
 def section(title: str) -> str:
-    """The body of ``## title`` (up to the next second-level heading)."""
-    body = text().split(f"\n## {title}\n", 1)[1]
-    return body.split("\n## ", 1)[0]
+    """The body under the one heading ``title`` (any level) in the docs, up to the next heading of the same
+    or a higher level."""
+    found = []
+    for page in pages():
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = re.fullmatch(r"(#+) (.*)", line)
+            if not m or m[2] != title:
+                continue
+            end = next(
+                (j for j in range(i + 1, len(lines)) if re.match(rf"#{{1,{len(m[1])}}} ", lines[j])),
+                len(lines),
+            )
+            found.append("\n".join(lines[i + 1 : end]) + "\n")
+    assert len(found) == 1, f"{title!r}: {len(found)} headings"
+    return found[0]
 
 
 def tables(markdown: str) -> Iterator[tuple[list[str], list[list[str]]]]:
@@ -76,17 +99,7 @@ def ticked(cell: str) -> list[str]:
 @pytest.fixture(scope="module")
 def app() -> Starlette:
     """A gateway's app with every optional part on: an on-demand engine in a group, client keys."""
-    managed = {"command": ["true"], "on_demand": True, "idle_ttl_s": 60, "group": "gpu0"}
-    settings = load_settings(
-        None,
-        backends=[
-            {"id": "a", "url": "http://127.0.0.1:9", "models": ["m"]},
-            {"id": "od", "url": "http://127.0.0.1:10", "models": ["od"], "managed": managed},
-        ],
-        groups={"gpu0": {}},
-        auth={"client_keys": [{"name": "team-a", "key": "k"}]},
-    )
-    hot = create_app(settings).app  # AccessGuard -> HotPath -> Starlette
+    hot = gen_docs.reference_asgi().app  # the app the generated pages describe: AccessGuard -> HotPath
     assert isinstance(hot, HotPath) and isinstance(hot.app, Starlette)
     return hot.app
 
@@ -122,7 +135,7 @@ def matching(path: str, routes: set[tuple[str, str]]) -> set[tuple[str, str]]:
 def test_admin_reference_table_is_every_admin_route(gateway: Gateway, routes: set[tuple[str, str]]) -> None:
     assert gateway.admin is not None
     table = {}
-    for cells in rows(section("Admin API")):
+    for cells in rows(section("Admin API operations")):
         method, path = ticked(cells[0])[0].split(" ", 1)
         table[method, path] = cells[1]
     assert set(table) == routes
@@ -173,7 +186,7 @@ def test_curl_examples_call_real_operations_with_valid_bodies(
 
 
 def test_every_admin_path_named_in_the_readme_exists(routes: set[tuple[str, str]]) -> None:
-    named = {m.rstrip(".,") for m in re.findall(r"/admin/[\w{}./-]+", text()) if "..." not in m}
+    named = {m.rstrip(".,") for m in re.findall(r"(?<![\w/])/admin/[\w{}./-]+", text()) if "..." not in m}
     assert len(named) > 10
     assert {p for p in named if not matching(p, routes)} == set()
 
@@ -281,7 +294,7 @@ def exported(gw: Gateway) -> dict[str, set[str] | None]:
 
 def test_metrics_table_lists_exactly_the_exported_series(gateway: Gateway) -> None:
     table: dict[str, set[str]] = {}
-    for cells in rows(section("Metrics")):
+    for cells in rows(section("Metrics series")):
         labels = set(ticked(cells[1]))
         table |= {name: labels for name in ticked(cells[0])}
     live = exported(gateway)
@@ -299,7 +312,113 @@ def test_on_demand_refusal_codes_are_the_gateways() -> None:
 def test_yaml_examples_load_with_the_gateways_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in [k for k in os.environ if k.startswith("WARMROUTE_")]:
         monkeypatch.delenv(key)
-    blocks = re.findall(r"```yaml\n(.*?)```", text(), re.S)
-    assert len(blocks) >= 2
+    # Kubernetes and kustomize YAML (docs/kubernetes.md) is no gateway config: tests/deploy checks those.
+    kube = re.compile(r"^(apiVersion|components):", re.M)
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text(), re.S) if not kube.search(b)]
+    assert len(blocks) >= 3  # the README's, and the guides'
     for block in blocks:
         load_settings(None, **yaml.safe_load(block))
+
+
+def test_generated_pages_are_current() -> None:
+    """``python -m tools.gen_docs`` rewrites them; a change to the settings, the admin API, the metrics or
+    the README without it fails here."""
+    stale = [str(p.relative_to(ROOT)) for p, body in gen_docs.render().items() if p.read_text() != body]
+    assert stale == [], "run: python -m tools.gen_docs"
+
+
+def _models(model: type[BaseModel]) -> Iterator[type[BaseModel]]:
+    for _key, sub, _env in gen_docs.walk(model, "", None):
+        yield sub
+
+
+def test_every_setting_has_a_description() -> None:
+    """A leaf setting needs ``Field(description=...)``; a section its own or its model's docstring."""
+    missing = []
+    for model in _models(Settings):
+        for name, field in model.model_fields.items():
+            if not gen_docs.description(field):
+                missing.append(f"{model.__name__}.{name}")
+    assert missing == []
+
+
+def test_configuration_reference_lists_every_field_with_its_default() -> None:
+    body = (DOCS / "reference" / "configuration.md").read_text()
+    listed = {ticked(cells[0])[0]: cells for cells in rows(body)}
+    for key, model, _env in gen_docs.walk(Settings, "", None):
+        for name, field in model.model_fields.items():
+            cells = listed[key + name]
+            assert cells[2] == gen_docs.default_text(field).replace("|", "\\|"), key + name
+
+
+def test_env_names_in_the_configuration_reference_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = (DOCS / "reference" / "configuration.md").read_text()
+    names = [ticked(cells[3])[0] for cells in rows(body) if cells[3] != "—"]
+    assert len(names) > 50
+    assert [n for n in names if gen_docs.env_field(n) is None] == []
+    for key in [k for k in os.environ if k.startswith("WARMROUTE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("WARMROUTE_ROUTING__SPILL_FACTOR", "3.5")  # the spelling the page gives is read
+    assert load_settings(None).routing.spill_factor == 3.5
+    assert gen_docs.env_field("WARMROUTE_ROUTING__NO_SUCH") is None
+    assert gen_docs.env_field("WARMROUTE_BACKENDS__ID") is None  # a list takes JSON, not nesting
+
+
+def _links(markdown: str) -> Iterator[str]:
+    for target in re.findall(r"\]\(([^)\s]+)\)", markdown):
+        if not re.match(r"[a-z]+:", target) and not target.startswith("#"):
+            yield target.split("#", 1)[0]
+
+
+def test_readme_is_a_front_door_naming_only_files_that_exist() -> None:
+    readme = README.read_text()
+    assert len(readme.splitlines()) <= 150
+    assert readme.index("make demo") < readme.index("## In front of your own")
+    assert "## What a hostile or broken client or engine cannot do\n" in readme
+    for target in _links(readme):
+        assert (ROOT / target).exists(), target
+    for path in re.findall(r"`((?:docs|deploy|config|tests|tools|gateway)/[\w./-]+)`", readme):
+        assert (ROOT / path).exists(), path
+
+
+def test_no_page_or_source_cites_files_outside_the_repository() -> None:
+    """Facts live in the docs with their source; nothing points at notes that are not in the repository."""
+    outside = re.compile(r"DESIGN\.md|ENGINES\.md|STYLE\.md|\.\./shared|DESIGN numbers|house issue")
+    sources = [*pages(), *ROOT.glob("[!.]*/**/*.py"), *ROOT.glob("tests/**/*.sh")]
+    mine = Path(__file__).resolve()
+    hits = [
+        str(p.relative_to(ROOT))
+        for p in sources
+        if ".venv" not in p.parts and p.resolve() != mine and outside.search(p.read_text())
+    ]
+    assert hits == []
+
+
+def test_every_table_has_its_header_row() -> None:
+    """A blank line inside a table splits it, and the rows after it render as a paragraph of ``|``: every run
+    of table lines starts with a header and a separator row."""
+    for page in pages():
+        for block in re.findall(r"(?:^\|.*\n)+", page.read_text(), re.M):
+            lines = block.splitlines()
+            assert len(lines) >= 2 and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[1]), (page.name, lines[0])
+
+
+def test_routing_knob_table_names_real_settings_with_their_defaults() -> None:
+    (body,) = [
+        b
+        for header, b in tables(section("Backends and what each routing knob trades"))
+        if header[0] == "knob (default)"
+    ]
+    seen = set()
+    for cells in body:
+        names = [n for n in ticked(cells[0]) if ":" not in n]
+        defaults = re.findall(r"\(([^)]+)\)", cells[0])
+        assert len(names) == len(defaults), cells[0]
+        prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else "backends[]."
+        if cells[0].startswith("`routing.policy: ttft`"):
+            prefix = "routing."
+        for name, default in zip(names, defaults, strict=True):
+            key = name if "." in name else prefix + name
+            _check_default(key, _field(key), default.replace(" ", ""))
+            seen.add(key)
+    assert {"routing.active_window_s", "routing.speed_half_life_s", "health.fail_threshold"} <= seen
