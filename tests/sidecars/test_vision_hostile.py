@@ -195,3 +195,13 @@ def test_6to4_and_site_local_addresses_are_refused(
     url = sidecar(resolver)
     message = refused(post(url, f'"{image}"'), 403, "image_url_forbidden", log)
     assert message == f"image URL host {says}; refused"
+
+
+@pytest.mark.parametrize(
+    "body", [b"[" * 100_000 + b"]" * 100_000, b'{"image": "' + b"A" * 300_000 + b'"'], ids=["deep", "long"]
+)
+def test_a_body_nesting_past_the_parser_or_cut_short_is_a_400(sidecar: Start, log: Any, body: bytes) -> None:
+    """Deep nesting raised RecursionError out of json.loads (a 500); a long body is parsed off the loop."""
+    url = sidecar()
+    resp = httpx.post(f"{url}/v1/encode", content=body, timeout=30)
+    assert refused(resp, 400, "invalid_request", log).startswith("request body is not JSON: ")
