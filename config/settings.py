@@ -452,6 +452,12 @@ class LimitsConfig(_Section):
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body (then 413)"
     )
+    max_json_values: int = Field(
+        default=500_000,
+        ge=1000,
+        description="JSON values one request body may hold, counted (',', '{' and '[') before parsing; "
+        "more is 413. Bounds what parsing a body can cost: ~150 bytes per value at worst",
+    )
     max_connections: int = Field(default=1024, ge=1, description="Upstream connection pool size")
     body_read_timeout_s: float = Field(
         default=30.0, gt=0, description="Longest silence while a client sends a request body (then 408)"

@@ -258,7 +258,8 @@ def create_app(
     max_body = settings.limits.max_body_bytes
 
     def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
-        return cls(gw.proxy, settings.routing, max_body, policy, gw.budgets)
+        limits = settings.limits
+        return cls(gw.proxy, settings.routing, max_body, policy, gw.budgets, limits.max_json_values)
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)

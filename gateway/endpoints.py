@@ -16,6 +16,7 @@ from gateway.budgets import BudgetPolicy
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
 from gateway.inbound import (
+    MAX_JSON_VALUES,
     ClientGone,
     header,
     parse_object,
@@ -49,11 +50,13 @@ class Endpoint:
         max_body: int,
         policy: Policy,
         budgets: BudgetPolicy | None = None,
+        max_json_values: int = MAX_JSON_VALUES,
     ) -> None:
         self.proxy = proxy
         self.budgets = budgets
         self.routing = routing
         self.max_body = max_body
+        self.max_json_values = max_json_values
         self.policy = policy
         self.session_header = routing.session_header.lower().encode("latin-1")
 
@@ -91,7 +94,7 @@ class Endpoint:
 
 class ChatCompletions(Endpoint):
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
-        body = parse_object(raw)
+        body = parse_object(raw, self.max_json_values)
         model = validate_chat(body)
         key = self.session(scope, model) or chat_key(body)
         ctx = self.make(scope, "/v1/chat/completions", raw, body, model, key)
@@ -102,7 +105,7 @@ class ChatCompletions(Endpoint):
 
 class Completions(Endpoint):
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
-        body = parse_object(raw)
+        body = parse_object(raw, self.max_json_values)
         model = validate_completion(body)
         if self.budgets is not None:
             self.budgets.refuse(body)
@@ -130,7 +133,7 @@ class Passthrough(Endpoint):
         path = upstream_path(scope)
         model: str | None = None
         if raw.strip():
-            body = parse_object(raw)
+            body = parse_object(raw, self.max_json_values)
             if "model" in body:
                 model = require_model(body)
         return self.make(scope, path, raw, None, model, path)

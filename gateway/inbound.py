@@ -7,21 +7,27 @@ integers past Python's digit limit, and lone UTF-16 surrogates (``"\ud800"``: va
 text; the key hashing cannot encode it and neither can an engine's tokenizer). Surrogates are rejected in
 the strings the gateway reads itself: ``model``, every ``role``, the content of the conversation head (what
 the key hashes) and ``prompt``. Later turns are forwarded as the client's bytes for the engine to judge,
-which keeps the common path at one ``json.loads``: an ASCII string is never scanned (``str.isascii`` is a
-flag), another costs one UTF-8 encode, and only in the head.
+which keeps the common path at one parse: an ASCII string is never scanned (``str.isascii`` is a flag),
+another costs one UTF-8 encode, and only in the head.
+
+Before that parse: a body is UTF-8 without a byte order mark (json.loads would read UTF-16 and UTF-32 too),
+and the values it may hold are counted (``limits.max_json_values``): parsed, tiny values cost 10-25 times
+their bytes. During it, a top-level key sent twice is refused: the engine would get both.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.types import Receive, Scope
 
-from gateway.errors import BadRequest, InvalidJSON, PayloadTooLarge
+from gateway.errors import BadRequest, GatewayError, InvalidJSON, PayloadTooLarge
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -58,26 +64,141 @@ class ClientGone(Exception):
 
 log = logging.getLogger("warmroute.inbound")
 
+#: Default of ``limits.max_json_values``: what one body may hold, counted before it is parsed.
+MAX_JSON_VALUES = 500_000
 
-def parse_object(raw: bytes) -> dict[str, Any]:
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]+")  # JSON's whitespace
+_OPEN = re.compile(r"[ \t\n\r]*\{[ \t\n\r]*(\}?)")  # group 1: the object is empty
+_PLAIN_KEY = re.compile(r'[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')  # no escapes
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_AFTER = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+E = TypeVar("E", bound=GatewayError)
+
+
+def parse_object(raw: bytes, max_values: int = MAX_JSON_VALUES) -> dict[str, Any]:
+    """The body as a dict: at most ``max_values`` JSON values, UTF-8, one object, no top-level key twice."""
     if not raw.strip():
         raise BadRequest("request body is empty; expected a JSON object")
+    _check_size(raw, max_values)
+    text = _utf8(raw)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _top_level_object(text)
+    except json.JSONDecodeError as exc:
         raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         depth = sys.getrecursionlimit() - _stack_depth()
         raise _hostile(
             InvalidJSON(f"request body is not valid JSON: nesting deeper than {depth} levels")
         ) from None
-    except ValueError as exc:  # only int() raises a bare ValueError in json.loads: the digit limit
+    except ValueError as exc:  # only int() raises a bare ValueError in json: the digit limit
         digits = sys.get_int_max_str_digits()
         msg = f"integer literal too long (over {digits} digits)" if "integer string" in str(exc) else str(exc)
         raise _hostile(InvalidJSON(f"request body is not valid JSON: {msg}")) from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, not {type(body).__name__}")
+
+
+def _utf8(raw: bytes) -> str:
+    """The body as text. JSON between systems is UTF-8 without a byte order mark (RFC 8259 §8.1); json.loads
+    would also take UTF-16, UTF-32 and a BOM, and the engine would then get bytes its parser may read
+    otherwise. Encoded surrogates pass here, as in json.loads, to be refused where the gateway reads them."""
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8-sig":
+        raise _hostile(
+            InvalidJSON("request body is not valid JSON: it starts with a byte order mark; send it without")
+        )
+    if encoding != "utf-8":
+        raise _hostile(
+            InvalidJSON(f"request body is not valid JSON: it is {encoding.upper()}; JSON must be UTF-8")
+        )
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+
+
+def _check_size(raw: bytes, limit: int) -> None:
+    """Refuse, before any object is built, a body that may hold more than ``limit`` JSON values. Parsed, small
+    values cost 10-25 times their bytes (``{},`` is 3 bytes and a 64-byte dict): a 32 MiB body of them took
+    770 MB and a second of the event loop to refuse. Every value after a container's first follows a comma,
+    so commas plus brackets bound the count (those inside strings count too: a bound, not a census). A body
+    no longer than ``limit`` bytes cannot exceed it and is not scanned."""
+    if len(raw) <= limit:
+        return
+    count = raw.count(b",")
+    if count <= limit:
+        count += raw.count(b"{") + raw.count(b"[")
+    if count > limit:
+        raise _hostile(
+            PayloadTooLarge(
+                f"request body holds more than {limit} JSON values (',', '{{' and '[' counted before parsing)"
+            )
+        )
+
+
+def _top_level_object(text: str) -> dict[str, Any]:
+    """json.loads for an object, its top level read member by member so that a key sent twice is seen: the
+    gateway would validate the last ``model`` or ``messages`` and forward bytes that hold both, which another
+    parser may read the other way. json's C scanner parses each value; this loop costs two regex matches per
+    top-level field (a pairs hook on every object cost 60 % more on a 20 KB chat body). Anything unexpected
+    is handed to json itself, for its exact error."""
+    opened = _OPEN.match(text)
+    if opened is None:
+        raise _not_an_object(text)
+    body: dict[str, Any] = {}
+    idx = opened.end()
+    while not opened.group(1):
+        key, idx = _key(text, idx)
+        value, idx = _value(text, idx)
+        if key in body:
+            name = key[:64]
+            raise _hostile(BadRequest(f"duplicate key {name!a} in the request body object", param=name))
+        body[key] = value
+        after = _AFTER.match(text, idx)
+        if after is None:
+            raise _not_an_object(text)
+        idx = after.end()
+        if after.group(1) == "}":
+            break
+    if _past_space(text, idx) != len(text):
+        raise _not_an_object(text)
     return body
+
+
+def _value(text: str, idx: int, headroom: int = 4) -> tuple[Any, int]:
+    """json's C scanner on one value, ``headroom`` frames deeper than it needs: whatever nests just inside the
+    recursion limit here must still re-encode where the key hashing runs json.dumps, a few frames deeper
+    than this parse (json.loads, which parsed the whole object at once, started two levels deeper)."""
+    if headroom:
+        return _value(text, idx, headroom - 1)
+    return _DECODER.raw_decode(text, idx)
+
+
+def _key(text: str, idx: int) -> tuple[str, int]:
+    """A member's key and where its value starts; a key with escapes goes through json's own scanstring."""
+    plain = _PLAIN_KEY.match(text, idx)
+    if plain is not None:
+        return plain.group(1), plain.end()
+    idx = _past_space(text, idx)
+    if not text.startswith('"', idx):
+        raise _not_an_object(text)
+    key, idx = _scanstring(text, idx + 1)
+    colon = _COLON.match(text, idx)
+    if colon is None:
+        raise _not_an_object(text)
+    return key, colon.end()
+
+
+def _past_space(text: str, idx: int) -> int:
+    space = _SPACE.match(text, idx)
+    return idx if space is None else space.end()
+
+
+def _not_an_object(text: str) -> GatewayError:
+    """json's own error for text that is not a JSON object, or (valid JSON) which type it is instead."""
+    value = _DECODER.decode(text)  # raises JSONDecodeError, RecursionError, ValueError as json.loads does
+    return BadRequest(f"request body must be a JSON object, not {type(value).__name__}")
 
 
 def require_model(body: dict[str, Any]) -> str:
@@ -86,7 +207,7 @@ def require_model(body: dict[str, Any]) -> str:
         raise BadRequest("'model' is required", param="model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
-    _check_text(model, "model")
+    check_text(model, "model")
     return model
 
 
@@ -102,7 +223,7 @@ def validate_chat(body: dict[str, Any]) -> str:
         role = msg.get("role")
         if not isinstance(role, str):
             raise BadRequest(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        _check_text(role, f"messages[{i}].role")
+        check_text(role, f"messages[{i}].role")
         content = msg.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise BadRequest(
@@ -121,11 +242,11 @@ def validate_completion(body: dict[str, Any]) -> str:
     if not isinstance(prompt, (str, list)):
         raise BadRequest("'prompt' must be a string or an array", param="prompt")
     if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
+        check_text(prompt, "prompt")
     else:
         for i, item in enumerate(prompt):
             if isinstance(item, str):
-                _check_text(item, f"prompt[{i}]")
+                check_text(item, f"prompt[{i}]")
     _check_common(body)
     return model
 
@@ -142,21 +263,22 @@ def _check_common(body: dict[str, Any]) -> None:
 def _check_content(content: Any, param: str) -> None:
     """Surrogates in what the key hashes of one message: its text, text parts and image URLs."""
     if isinstance(content, str):
-        _check_text(content, param)
+        check_text(content, param)
         return
     for j, part in enumerate(content or ()):
         if not isinstance(part, dict):
             continue  # hashed as JSON, which escapes surrogates
         text = part.get("text")
         if isinstance(text, str):
-            _check_text(text, f"{param}[{j}].text")
+            check_text(text, f"{param}[{j}].text")
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if isinstance(url, str):
-            _check_text(url, f"{param}[{j}].image_url" + (".url" if isinstance(image, dict) else ""))
+            check_text(url, f"{param}[{j}].image_url" + (".url" if isinstance(image, dict) else ""))
 
 
-def _check_text(value: str, param: str) -> None:
+def check_text(value: str, param: str) -> None:
+    """BadRequest naming ``param`` if ``value`` holds a lone surrogate (it has no UTF-8 encoding)."""
     if value.isascii():  # O(1): CPython keeps a flag
         return
     try:
@@ -168,7 +290,7 @@ def _check_text(value: str, param: str) -> None:
         ) from None
 
 
-def _hostile(err: BadRequest) -> BadRequest:
+def _hostile(err: E) -> E:
     """Log a hostile body's rejection: one line, no traceback (an ordinary 400 logs nothing)."""
     log.info("rejected a request body: %s", err.message)
     return err

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,7 +166,7 @@ class SidecarClient:
                 async with self._slots:
                     self.calls += 1
                     resp = await self.client.post(
-                        url + ENCODE_PATH, json={"image": image}, timeout=self._timeout
+                        url + ENCODE_PATH, content=_encode_body(image), headers=_JSON, timeout=self._timeout
                     )
         except TimeoutError:
             raise VisionUnavailable(
@@ -179,6 +180,14 @@ class SidecarClient:
         except httpx.HTTPError as exc:
             raise VisionSidecarError(f"vision sidecar {url} failed: {type(exc).__name__}: {exc}") from None
         return _answer(url, resp)
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _encode_body(image: str) -> bytes:
+    """ASCII JSON (httpx's ``json=`` is UTF-8, which a lone surrogate in the URL cannot be encoded in)."""
+    return json.dumps({"image": image}).encode("ascii")
 
 
 def _answer(url: str, resp: httpx.Response) -> Encoding:

@@ -27,6 +27,7 @@ from backends.registry import Backend, Registry
 from config.settings import VisionMode
 from gateway.context import Draft, RequestContext
 from gateway.errors import BadRequest, GatewayError
+from gateway.inbound import check_text
 from gateway.sidecar import Encoding, ImageRejected, SidecarClient, SidecarHost, VisionUnavailable
 
 EMPTY: frozenset[str] = frozenset()
@@ -68,10 +69,13 @@ def find_images(body: dict[str, Any] | None) -> tuple[ImagePart, ...]:
 
 
 def _url_of(image_url: Any, i: int, j: int) -> str:
+    """The part's URL. A lone surrogate in it is a 400 here, in any turn: the endpoint checks only the
+    conversation head, and the sidecar's request cannot carry one (its JSON is UTF-8)."""
+    where = f"messages[{i}].content[{j}].image_url"
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     if not isinstance(url, str) or not url:
-        where = f"messages[{i}].content[{j}].image_url"
         raise BadRequest(f"'{where}' must be an object with a non-empty string 'url'", param=where)
+    check_text(url, where + ".url" if isinstance(image_url, dict) else where)
     return url
 
 

@@ -25,8 +25,18 @@ def unmapped(address: IPAddress) -> IPAddress:
 
 
 def classify(address: IPAddress) -> str | None:
-    """Why ``address`` is forbidden ("loopback", "private", ...), or None for a public unicast address."""
+    """Why ``address`` is forbidden ("loopback", "private", ...), or None for a public unicast address.
+
+    A 6to4 address (2002::/16) carries an IPv4 address that a relay delivers to: it is judged by that one
+    (``2002:7f00:1::`` is "6to4 loopback"; one embedding a public IPv4 passes, as that IPv4 would). The
+    deprecated site-local fec0::/10 is routable inside a site, and Python does not count it as private."""
     address = unmapped(address)
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.sixtofour is not None:
+            inner = classify(address.sixtofour)
+            return None if inner is None else f"6to4 {inner}"
+        if address.is_site_local:
+            return "site-local"
     checks = (
         (address in METADATA, "metadata"),
         (address.is_loopback, "loopback"),

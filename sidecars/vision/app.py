@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from .encoder import Encoder
 from .errors import BadRequest, CheckpointError, TooLarge, VisionError
-from .fetch import ImageFetcher, Resolver, system_resolver
+from .fetch import INLINE_DECODE, ImageFetcher, Resolver, system_resolver
 from .metrics import VisionMetrics
 from .service import Result, VisionService
 from .settings import VisionSettings
@@ -55,6 +55,8 @@ def render(result: Result) -> bytes:
 
 
 def error_response(exc: VisionError) -> JSONResponse:
+    """The refusal, and one log line for it (no traceback: it is handled)."""
+    log.info("refused an encode: %d %s: %s", exc.status, exc.code, exc.message)
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
@@ -64,10 +66,14 @@ async def read_image_ref(request: Request, limit: int) -> str:
         body += chunk
         if len(body) > limit:
             raise TooLarge(f"request body is larger than {limit} bytes")
-    try:
-        parsed: Any = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not JSON: {exc}") from exc
+    try:  # a body of megabytes (a data: URI) is parsed off the event loop, as it is decoded and hashed
+        parsed: Any = (
+            json.loads(body)
+            if len(body) <= INLINE_DECODE
+            else await anyio.to_thread.run_sync(json.loads, body)
+        )
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting past the parser's depth
+        raise BadRequest(f"request body is not JSON: {exc}") from None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("image"), str) or not parsed["image"]:
         raise BadRequest('request body must be a JSON object with a string field "image" (URL or data: URI)')
     image: str = parsed["image"]

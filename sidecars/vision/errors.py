@@ -30,6 +30,12 @@ class UnsupportedScheme(BadRequest):
     code = "image_url_scheme"
 
 
+class InvalidImageURL(BadRequest):
+    """Not a URL that can be fetched: a lone surrogate, an empty or over-long DNS label, unparseable."""
+
+    code = "image_url_invalid"
+
+
 class FetchFailed(BadRequest):
     """The image server answered badly: refused connection, non-2xx, too many redirects."""
 

@@ -45,7 +45,9 @@ class VisionMetrics:
         self.cache_bytes = Gauge("warmroute_vision_cache_bytes", "Bytes held by the result cache", registry=r)
         self.cache_entries = Gauge("warmroute_vision_cache_entries", "Results held by the cache", registry=r)
         self.queue_depth = Gauge(
-            "warmroute_vision_queue_depth", "Encodes running or waiting for the tower", registry=r
+            "warmroute_vision_queue_depth",
+            "Encodes admitted: fetching, decoding, queued or in the tower",
+            registry=r,
         )
         self.rejections = Counter(
             "warmroute_vision_rejections_total", "Requests refused, by error code", ["reason"], registry=r

@@ -1,7 +1,9 @@
 """The encode path without HTTP: fetch → cache lookup → decode → admission → the tower, with metrics.
 
 Admission: one encode runs at a time (torch's threads parallelise inside it); up to ``queue_size`` more
-wait; past that a request is refused at once with QueueFull (503) instead of queueing without bound.
+wait; past that a request is refused at once with QueueFull (503) instead of queueing without bound. A
+request is admitted before its image is fetched or decoded (both hold up to ``max_download_bytes`` and take
+time), so the queue bounds those too; only a cache hit on a data: URI seen before is answered unadmitted.
 Identical images in flight at once are encoded once (the later requests wait for the first's result).
 
 A data: URI seen before is answered without decoding it again: a hash of the URI text maps to the content
@@ -12,10 +14,11 @@ points to the key of those very bytes, so it changes nothing but speed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import anyio
@@ -25,7 +28,7 @@ from . import images
 from .cache import ByteLRU, Encoded, content_key
 from .encoder import Encoder
 from .errors import NotReady, QueueFull, VisionError
-from .fetch import ImageFetcher
+from .fetch import INLINE_DECODE, ImageFetcher
 from .metrics import VisionMetrics
 from .settings import VisionSettings
 
@@ -73,12 +76,18 @@ class VisionService:
                 self.load_error or "the vision tower is still loading; retry after GET /health is 200"
             )
         started = time.perf_counter()
-        alias = hashlib.sha256(url.encode()).digest() if url[:5].lower() == "data:" else None
+        alias = await _alias(url) if url[:5].lower() == "data:" else None
         known = self._uri_keys.get(alias) if alias else None
         hit = self.cache.get(known) if known else None
         if hit is not None:
             self.metrics.cache_hits.inc()
             return Result(hit, True, {"fetch_ms": 0.0, "total_ms": (time.perf_counter() - started) * 1e3})
+        with self._admission():
+            return await self._fetch_and_encode(encoder, url, alias, started)
+
+    async def _fetch_and_encode(
+        self, encoder: Encoder, url: str, alias: bytes | None, started: float
+    ) -> Result:
         fetched = await self.fetcher.fetch(url)
         fetched_at = time.perf_counter()
         self.metrics.fetch_seconds.observe(fetched_at - started)
@@ -112,7 +121,7 @@ class VisionService:
             t0 = time.perf_counter()
             image = await anyio.to_thread.run_sync(self._decode, data, limiter=self._decoders)
             timings["decode_ms"] = (time.perf_counter() - t0) * 1e3
-            encoded, work = await self._admitted(lambda: encoder.encode(image))
+            encoded, work = await self._tower_run(lambda: encoder.encode(image))
             timings |= work
             self.cache.put(key, encoded)
             self._observe(encoded, work)
@@ -129,22 +138,26 @@ class VisionService:
     def _decode(self, data: bytes) -> Image.Image:
         return images.decode(data, self.settings.max_source_pixels)
 
-    async def _admitted(
-        self, work: Callable[[], tuple[Encoded, dict[str, float]]]
-    ) -> tuple[Encoded, dict[str, float]]:
+    @contextlib.contextmanager
+    def _admission(self) -> Iterator[None]:
         if self.pending >= 1 + self.settings.queue_size:
             waiting, limit = self.pending - 1, self.settings.queue_size
             raise QueueFull(f"encoder queue is full ({waiting} waiting, limit {limit}); retry later")
         self.pending += 1
         self.metrics.queue_depth.set(self.pending)
         try:
-            t0 = time.perf_counter()
-            result = await anyio.to_thread.run_sync(work, limiter=self._tower)
-            result[1]["queue_ms"] = (time.perf_counter() - t0) * 1e3 - sum(result[1].values())
-            return result
+            yield
         finally:
             self.pending -= 1
             self.metrics.queue_depth.set(self.pending)
+
+    async def _tower_run(
+        self, work: Callable[[], tuple[Encoded, dict[str, float]]]
+    ) -> tuple[Encoded, dict[str, float]]:
+        t0 = time.perf_counter()
+        result = await anyio.to_thread.run_sync(work, limiter=self._tower)
+        result[1]["queue_ms"] = (time.perf_counter() - t0) * 1e3 - sum(result[1].values())
+        return result
 
     def _observe(self, encoded: Encoded, work: dict[str, float]) -> None:
         self.metrics.encode_seconds.observe((work["preprocess_ms"] + work["encode_ms"]) / 1e3)
@@ -152,3 +165,15 @@ class VisionService:
         self.metrics.tokens.observe(encoded.tokens)
         self.metrics.cache_bytes.set(self.cache.bytes)
         self.metrics.cache_entries.set(len(self.cache))
+
+
+async def _alias(uri: str) -> bytes:
+    """The hash a data: URI's text is remembered by; a long one is hashed off the event loop. A lone surrogate
+    hashes too (``surrogatepass``): the fetcher refuses it by name."""
+    if len(uri) <= INLINE_DECODE:
+        return _digest(uri)
+    return await anyio.to_thread.run_sync(_digest, uri)
+
+
+def _digest(uri: str) -> bytes:
+    return hashlib.sha256(uri.encode("utf-8", "surrogatepass")).digest()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -360,6 +361,34 @@ def test_an_image_part_without_a_url_is_a_400_naming_it(box: Make) -> None:
     resp = b.chat([user(text("x"), {"type": "image_url", "image_url": {"detail": "low"}})])
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "messages[0].content[1].image_url"
+
+
+@pytest.mark.parametrize("as_object", [True, False], ids=["url-object", "url-string"])
+def test_a_lone_surrogate_in_a_later_turns_image_url_is_a_400_naming_the_part(
+    box: Make, caplog: pytest.LogCaptureFixture, as_object: bool
+) -> None:
+    """The endpoint checks the conversation head only; an image in a later turn was posted to the sidecar as
+    UTF-8 JSON, which it cannot be: a 500 and two tracebacks."""
+    b = box({"e": "embeds"})
+    url = "https://images.example/SURROGATE.png"
+    part = image(url) if as_object else {"type": "image_url", "image_url": url}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, user(part)]
+    raw = json.dumps({"model": "m", "messages": messages}).replace("SURROGATE", "\\ud800").encode()
+    caplog.set_level(logging.INFO)
+    resp = httpx.post(b.url + "/v1/chat/completions", content=raw, timeout=10)
+    param = "messages[2].content[0].image_url" + (".url" if as_object else "")
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {
+        "message": f"invalid unicode: lone surrogate \\ud800 in {param}",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "invalid_request",
+    }
+    assert b.sidecar.calls == [] and b.engines["e"].raw == []
+    ours = [r for r in caplog.records if r.name.startswith("warmroute") and r.levelno >= logging.INFO]
+    ours = [r for r in ours if not r.name.startswith(("warmroute.health", "warmroute.lifecycle"))]
+    assert [r.getMessage() for r in ours] == [f"rejected a request body: {resp.json()['error']['message']}"]
+    assert not [r for r in caplog.records if r.exc_info]
 
 
 # -- settings ----------------------------------------------------------------------------------------------

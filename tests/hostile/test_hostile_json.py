@@ -176,3 +176,82 @@ def test_nesting_just_inside_the_parsers_depth_is_no_500_in_the_key_hashing(
     assert {r.status_code for r in answers} == {200, 400}, [r.text for r in answers]
     assert {r.json()["error"]["code"] for r in answers if r.status_code == 400} == {"invalid_json"}
     assert not [r for r in gateway_log.records if r.name == "warmroute"]
+
+
+def test_a_body_of_a_million_tiny_values_is_refused_before_it_is_parsed(
+    c: HostileGateway, gateway_log: pytest.LogCaptureFixture
+) -> None:
+    """``{},`` is 3 bytes and, parsed, a 64-byte dict: 32 MiB of them took the gateway from 193 MB to 954 MB
+    and its event loop for a second, only to answer 400. The default limit counts them first."""
+    gateway_log.clear()
+    raw = b'{"model": "m", "messages": [' + b"{}," * 600_000 + USER + b"]}"
+    r = _post(c, CHAT, raw)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "payload_too_large"
+    assert err["message"] == (
+        "request body holds more than 500000 JSON values (',', '{' and '[' counted before parsing)"
+    )
+    assert c.engines["a"].requests == []
+    assert_one_line(gateway_log, "JSON values")
+
+
+def test_the_value_limit_is_a_setting_and_a_body_within_it_goes_through(
+    hostile_gateway: HostileGatewayFactory,
+) -> None:
+    c = hostile_gateway(limits={"max_json_values": 1000})
+    # Seven of the counted bytes (',', '{', '[') are outside "x".
+    within = b'{"model": "m", "messages": [' + USER + b'], "x": [' + b"1," * 993 + b"1]}"
+    over = b'{"model": "m", "messages": [' + USER + b'], "x": [' + b"1," * 994 + b"1]}"
+    assert _post(c, CHAT, within).status_code == 200
+    assert _post(c, CHAT, over).status_code == 413
+    assert len(c.engines["a"].requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        (b'{"model": "m", "messages": [' + USER + b'], "model": "other"}', "model"),
+        (b'{"model": "m", "messages": [' + USER + b'], "messages": [' + USER + b"]}", "messages"),
+        (b'{"model": "m", "messages": [' + USER + b'], "m\\u006fdel": "other"}', "model"),  # escaped
+        (b'{"stream": false, "model": "m", "messages": [' + USER + b'], "stream": true}', "stream"),
+    ],
+    ids=["model", "messages", "escaped", "stream"],
+)
+def test_a_top_level_key_sent_twice_is_400_naming_it(
+    c: HostileGateway, gateway_log: pytest.LogCaptureFixture, raw: bytes, key: str
+) -> None:
+    """The gateway would validate (and route by) the last one and forward bytes holding both, which an
+    engine's parser may read the other way."""
+    gateway_log.clear()
+    err = _error(_post(c, CHAT, raw), "invalid_request")
+    assert err["message"] == f"duplicate key '{key}' in the request body object"
+    assert err["param"] == key
+    assert c.engines["a"].requests == []
+    assert_one_line(gateway_log, "duplicate key")
+
+
+BODY = '{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (BODY.encode("utf-16"), "it is UTF-16; JSON must be UTF-8"),  # with its BOM
+        (BODY.encode("utf-16-le"), "it is UTF-16-LE; JSON must be UTF-8"),
+        (BODY.encode("utf-16-be"), "it is UTF-16-BE; JSON must be UTF-8"),
+        (BODY.encode("utf-32"), "it is UTF-32; JSON must be UTF-8"),
+        (BODY.encode("utf-32-le"), "it is UTF-32-LE; JSON must be UTF-8"),
+        (BODY.encode("utf-8-sig"), "it starts with a byte order mark; send it without"),
+    ],
+    ids=["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-8-bom"],
+)
+def test_a_body_that_is_not_utf8_is_400(
+    c: HostileGateway, gateway_log: pytest.LogCaptureFixture, raw: bytes, says: str
+) -> None:
+    """RFC 8259 §8.1. json.loads reads all of these, and the engine got the UTF-16 bytes as they came."""
+    gateway_log.clear()
+    err = _error(_post(c, CHAT, raw), "invalid_json")
+    assert err["message"] == f"request body is not valid JSON: {says}"
+    assert c.engines["a"].requests == []
+    assert_one_line(gateway_log, says)

@@ -23,6 +23,7 @@ from sidecars.vision.errors import (  # noqa: E402
     FetchFailed,
     FetchTimeout,
     ForbiddenAddress,
+    InvalidImageURL,
     TooLarge,
     UnsupportedScheme,
 )
@@ -83,6 +84,14 @@ def resolver_to(address: str, calls: list[str]) -> Resolver:
         ("224.0.0.1", "multicast"),
         ("8.8.8.8", None),
         ("2606:4700::1111", None),
+        # 6to4 is judged by the IPv4 address it embeds; site-local (deprecated) is not public either
+        ("2002:7f00:1::", "6to4 loopback"),
+        ("2002:a9fe:a9fe::", "6to4 link-local"),
+        ("2002:a00:1::1", "6to4 private"),
+        ("2002:6464:64c8::", "6to4 metadata"),
+        ("2002::", "6to4 unspecified"),
+        ("2002:808:808::1", None),
+        ("fec0::1", "site-local"),
     ],
 )
 def test_address_classes(address: str, reason: str | None) -> None:
@@ -211,3 +220,14 @@ def test_data_uris_decode_within_the_size_limit() -> None:
         fetch(uri, max_download_bytes=100)
     with pytest.raises(UnsupportedScheme, match=r"not valid base64"):
         fetch("data:image/png;base64,%%%")
+
+
+def test_a_redirect_to_a_url_that_is_no_url_is_a_400(server: tuple[str, ImageServer]) -> None:
+    url, _images = server
+    with pytest.raises(InvalidImageURL, match=r"host 'a\.\.b\.test' is not a DNS name: it has an empty"):
+        fetch(f"{url}/redirect?to=http://a..b.test/x.png", allow_networks=["127.0.0.1/32"])
+
+
+def test_a_percent_encoded_data_uri_is_refused() -> None:
+    with pytest.raises(UnsupportedScheme, match=r"data: URI images must be base64"):
+        fetch("data:image/png,%89PNG")
