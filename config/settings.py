@@ -458,6 +458,12 @@ class LimitsConfig(_Section):
         description="JSON values one request body may hold, counted (',', '{' and '[') before parsing; "
         "more is 413. Bounds what parsing a body can cost: ~150 bytes per value at worst",
     )
+    max_held_body_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        description="Request-body bytes one worker holds at once, over all requests in flight (read, "
+        "parsed, forwarded); a body that would pass it is refused with 503 server_busy and Retry-After",
+    )
     max_connections: int = Field(default=1024, ge=1, description="Upstream connection pool size")
     body_read_timeout_s: float = Field(
         default=30.0, gt=0, description="Longest silence while a client sends a request body (then 408)"

@@ -33,6 +33,7 @@ from gateway.context import RequestContext
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
+from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
@@ -65,6 +66,8 @@ class Gateway:
         self.store: AffinityStore = store or make_store(settings)
         self.registry = Registry(settings.backends, listener=self.store)  # leases drive the shared counts
         self.metrics = Metrics(self.registry)
+        #: Request-body bytes this worker holds, over every body route (``limits.max_held_body_bytes``).
+        self.body_budget = BodyBudget(settings.limits.max_held_body_bytes)
         self.metrics.degraded.set_function(lambda: 1.0 if self.store.status().get("degraded") else 0.0)
         params = routing_params(settings.routing)
         self.policy = make_policy(params)
@@ -259,7 +262,9 @@ def create_app(
 
     def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
         limits = settings.limits
-        return cls(gw.proxy, settings.routing, max_body, policy, gw.budgets, limits.max_json_values)
+        return cls(
+            gw.proxy, settings.routing, max_body, policy, gw.budgets, limits.max_json_values, gw.body_budget
+        )
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)

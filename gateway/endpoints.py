@@ -17,6 +17,8 @@ from gateway.context import RequestContext
 from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
 from gateway.inbound import (
     MAX_JSON_VALUES,
+    BodyBudget,
+    Charge,
     ClientGone,
     header,
     parse_object,
@@ -51,29 +53,35 @@ class Endpoint:
         policy: Policy,
         budgets: BudgetPolicy | None = None,
         max_json_values: int = MAX_JSON_VALUES,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self.proxy = proxy
         self.budgets = budgets
         self.routing = routing
         self.max_body = max_body
         self.max_json_values = max_json_values
+        self.body_budget = body_budget
         self.policy = policy
         self.session_header = routing.session_header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        charge = Charge(self.body_budget)  # held until the request ends: the raw body is forwarded
         try:
-            raw = await read_body(scope, receive, self.max_body)
-            ctx = self.context(scope, raw)
-        except GatewayError as err:
-            await self.proxy.reject(send, err)
-            return
-        except ClientGone:
-            return
-        except Exception as exc:  # a defect of ours: one log line with the trace, an OpenAI-shaped 500
-            log.exception("unexpected error reading %s %s", scope["method"], scope["path"], exc_info=exc)
-            await self.proxy.reject(send, GatewayError("internal error in the gateway; see its log"))
-            return
-        await self.proxy.forward(receive, send, ctx)
+            try:
+                raw = await read_body(scope, receive, self.max_body, charge)
+                ctx = self.context(scope, raw)
+            except GatewayError as err:
+                await self.proxy.reject(send, err)
+                return
+            except ClientGone:
+                return
+            except Exception as exc:  # a defect of ours: one log line with the trace, an OpenAI-shaped 500
+                log.exception("unexpected error reading %s %s", scope["method"], scope["path"], exc_info=exc)
+                await self.proxy.reject(send, GatewayError("internal error in the gateway; see its log"))
+                return
+            await self.proxy.forward(receive, send, ctx)
+        finally:
+            charge.release()
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
         raise NotImplementedError

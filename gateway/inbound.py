@@ -21,13 +21,15 @@ import json
 import logging
 import re
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, TypeVar
 
 from starlette.types import Receive, Scope
 
-from gateway.errors import BadRequest, GatewayError, InvalidJSON, PayloadTooLarge
+from gateway.errors import BadRequest, GatewayError, InvalidJSON, PayloadTooLarge, ServerBusy
+from gateway.throttle import LogThrottle
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -38,11 +40,70 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body, or PayloadTooLarge as soon as it is known to exceed ``limit``."""
+class BodyBudget:
+    """Request-body bytes one worker holds at once (``limits.max_held_body_bytes``), over every request in
+    flight. A body is charged as it arrives (its declared length up front) and released when its request
+    ends, so N slow uploads or N large requests waiting on engines cannot together hold more than this."""
+
+    __slots__ = ("held", "limit", "refusals")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refusals = LogThrottle(10.0)  # a flood of refusals is one line per 10 s, with its count
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            err = BodyBudgetFull(
+                f"this gateway worker already holds {self.held} bytes of request bodies (limit "
+                f"{self.limit}); retry shortly"
+            )
+            if count := self.refusals.due(time.monotonic()):
+                log.warning("503 server_busy: %s (%d refused since the last line)", err.message, count)
+            raise err
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+class BodyBudgetFull(ServerBusy):
+    """The worker holds ``limits.max_held_body_bytes`` of request bodies already: come back in a second."""
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", b"1")]
+
+
+class Charge:
+    """What one request has taken from the worker's body budget; ``release`` gives it all back once."""
+
+    __slots__ = ("budget", "taken")
+
+    def __init__(self, budget: BodyBudget | None) -> None:
+        self.budget = budget
+        self.taken = 0
+
+    def take(self, n: int) -> None:
+        if self.budget is not None and n > 0:
+            self.budget.take(n)
+            self.taken += n
+
+    def release(self) -> None:
+        if self.budget is not None:
+            self.budget.give(self.taken)
+        self.taken = 0
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, charge: Charge | None = None) -> bytes:
+    """The whole request body, or PayloadTooLarge as soon as it is known to exceed ``limit``.
+
+    With ``charge``, the bytes are taken from the worker's body budget as they arrive (all of a declared
+    length at once): BodyBudgetFull when the worker holds too much already. The caller releases it."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
+    if charge is not None and declared is not None and declared.isdigit():
+        charge.take(int(declared))
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -53,6 +114,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        if charge is not None and size > charge.taken:
+            charge.take(size - charge.taken)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

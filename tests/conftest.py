@@ -16,12 +16,10 @@ from gateway.app import create_app
 from tools.redis_server import RedisServer, find_binary
 
 from clusters import Cluster, ClusterFactory
+from needs import NEEDS_BY_FIXTURE
 from upstreams import FakeEngine, serve
 
 REQUIRE_REDIS_ENV = "WARMROUTE_REQUIRE_REDIS"
-#: Fixtures that skip without an optional tool: a test using one, directly or through another fixture,
-#: is marked ``needs(tool)``. Tests that check for a tool themselves carry the marker in their module.
-NEEDS_BY_FIXTURE = {"redis_server": "redis-server", "private_redis": "redis-server", "stack": "redis-server"}
 #: The reason a whole module skips without the vision extra (tests/sidecars/vision_deps.py).
 VISION_SKIP = "vision sidecar dependencies missing"
 

@@ -18,6 +18,7 @@ import pytest
 from vision_deps import require_vision
 
 require_vision()
+pytestmark = pytest.mark.needs("vision")
 
 from image_server import ImageServer  # noqa: E402
 

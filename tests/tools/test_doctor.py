@@ -11,7 +11,7 @@ from pathlib import Path
 from tools import doctor
 from tools.doctor import Counts
 
-from conftest import NEEDS_BY_FIXTURE
+from needs import NEEDS_BY_FIXTURE
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a test module calls to find a tool (and skip without it) -> the needs() name.
@@ -23,7 +23,7 @@ CHECKS = [
     (re.compile(r"find_binary\(|redis_binary\("), "redis-server"),
 ]
 # Helpers that define the checks, and the test that fakes their absence.
-NOT_TESTS = {"conftest.py", "cdp.py", "vision_deps.py", "test_prerequisites.py", "test_doctor.py"}
+NOT_TESTS = {"conftest.py", "needs.py", "cdp.py", "vision_deps.py", "test_prerequisites.py", "test_doctor.py"}
 
 
 def test_every_test_module_that_looks_for_a_tool_is_marked_as_needing_it() -> None:
