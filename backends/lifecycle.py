@@ -355,7 +355,9 @@ def _reset_circuit(lc: Lifecycle) -> Result:
     if lc.circuit is CircuitState.CLOSED:
         return lc, [ResetBreaker()]
     message = f"circuit {CircuitState.CLOSED}: reset by the operator (it was {lc.circuit})"
-    return replace(lc, circuit=CircuitState.CLOSED), [ResetBreaker(), Log(logging.INFO, message)]
+    # The reason said why the circuit opened; it must not outlive the circuit (DOWN gets its own below).
+    # (The changed reason is logged by ``transition``, as every change of reason is.)
+    return replace(lc, circuit=CircuitState.CLOSED, reason=message), [ResetBreaker()]
 
 
 def _reset(lc: Lifecycle, now: float, p: LifecyclePolicy) -> Result:

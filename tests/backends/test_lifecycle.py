@@ -457,9 +457,11 @@ def test_reset_closes_the_circuit_so_a_ready_backend_is_routable_again(
 
 
 def test_a_reset_that_closes_the_circuit_says_so() -> None:
-    _, actions = transition(at(S.READY, circuit=CircuitState.OPEN), Operator(Command.RESET), NOW, U)
+    before = replace(at(S.READY, circuit=CircuitState.OPEN), reason="5 consecutive requests failed")
+    after, actions = transition(before, Operator(Command.RESET), NOW, U)
     said = "circuit closed: reset by the operator (it was open)"
-    assert actions == [ResetBreaker(), Log(logging.INFO, said)]
+    assert actions == [Log(logging.INFO, f"ready -> ready: {said}"), ResetBreaker()]
+    assert after.reason == said  # the reason the circuit opened does not outlive it
 
 
 def test_operator_flags_are_kept_while_down() -> None:
