@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from backends.dialects import REASONING_FIELDS
 from config.settings import BackendConfig, CanaryConfig
 
 _QUOTE_CHARS = 200  # of an answer quoted in a reason
@@ -197,7 +198,7 @@ def answer_text(data: Any, chat: bool) -> str | None:
     message = choice.get("message")
     if not isinstance(message, dict):
         return None
-    for key in ("content", "reasoning_content", "reasoning"):  # thinking models may answer only there
+    for key in ("content", *REASONING_FIELDS):  # thinking models may answer only there
         value = message.get(key)
         if isinstance(value, str) and value.strip():
             return value

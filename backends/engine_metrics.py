@@ -1,6 +1,7 @@
 """Reading an engine's Prometheus ``/metrics``: the vLLM series the gateway's tools use, and the engine
 signals routing reads (waiting, running, KV use, prefix-cache and speculative-decoding counters) under the
-names vLLM (current and older), SGLang and llama.cpp server use.
+names the backend's dialect publishes (``backends.dialects``: vLLM current and older, SGLang, llama.cpp
+server; the generic ``openai`` dialect tries all of them).
 
 vLLM (V1) exposes the prefix-cache counters ``vllm:prefix_cache_queries_total`` and
 ``vllm:prefix_cache_hits_total`` (both in tokens) and the gauges ``vllm:num_requests_running`` and
@@ -20,13 +21,17 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from backends.dialects import DIALECTS, SignalNames
+from config.settings import Dialect
+
 if TYPE_CHECKING:
     from backends.registry import Backend, Registry
 
-PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
-PREFIX_HITS = "vllm:prefix_cache_hits_total"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
+_VLLM = DIALECTS[Dialect.VLLM].metrics
+PREFIX_QUERIES = _VLLM.prefix_queries[0]
+PREFIX_HITS = _VLLM.prefix_hits[0]
+RUNNING = _VLLM.running[0]
+WAITING = _VLLM.waiting[0]
 
 CACHE_COUNTERS = (PREFIX_QUERIES, PREFIX_HITS)
 QUEUE_GAUGES = (RUNNING, WAITING)
@@ -72,29 +77,8 @@ async def scrape(
 
 
 # -- engine signals for routing ---------------------------------------------------------------------------
-# Names per engine, first found wins. Checked against the engines' sources:
-# - vLLM V1: vllm:num_requests_waiting / _running, vllm:kv_cache_usage_perc (older:
-#   vllm:gpu_cache_usage_perc), vllm:prefix_cache_queries_total / _hits_total (older:
-#   vllm:gpu_prefix_cache_queries / _hits, with or without _total),
-#   vllm:spec_decode_num_accepted_tokens_total / _num_draft_tokens_total.
-# - SGLang: sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage (KV use, 0..1),
-#   sglang:cache_hit_rate (0..1, a gauge), sglang:spec_accept_length (mean accepted length, a gauge).
-# - llama.cpp server: llamacpp:requests_deferred, llamacpp:requests_processing,
-#   llamacpp:kv_cache_usage_ratio (gone from newer builds).
-WAITING_NAMES = (WAITING, "sglang:num_queue_reqs", "llamacpp:requests_deferred")
-RUNNING_NAMES = (RUNNING, "sglang:num_running_reqs", "llamacpp:requests_processing")
-KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
-                  "llamacpp:kv_cache_usage_ratio")  # fmt: skip
-PREFIX_QUERY_NAMES = (PREFIX_QUERIES, "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries")
-PREFIX_HIT_NAMES = (PREFIX_HITS, "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")
-HIT_RATE_NAMES = ("sglang:cache_hit_rate",)
-SPEC_ACCEPTED_NAMES = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens")
-SPEC_DRAFT_NAMES = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens")
-SPEC_LENGTH_NAMES = ("sglang:spec_accept_length",)
-SIGNAL_NAMES = frozenset(
-    WAITING_NAMES + RUNNING_NAMES + KV_USAGE_NAMES + PREFIX_QUERY_NAMES + PREFIX_HIT_NAMES + HIT_RATE_NAMES
-    + SPEC_ACCEPTED_NAMES + SPEC_DRAFT_NAMES + SPEC_LENGTH_NAMES
-)  # fmt: skip
+# The names per engine are its dialect's (backends/dialects.py); a backend is read under its own dialect's.
+ANY_ENGINE = DIALECTS[Dialect.OPENAI].metrics  # every known engine's names: the generic dialect's
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,23 +116,25 @@ def _first(samples: Mapping[str, float], names: tuple[str, ...]) -> float | None
     return None
 
 
-def signals_from(samples: Mapping[str, float], at: float) -> EngineSignals:
+def signals_from(samples: Mapping[str, float], at: float, names: SignalNames = ANY_ENGINE) -> EngineSignals:
     return EngineSignals(
         at=at,
-        waiting=_first(samples, WAITING_NAMES),
-        running=_first(samples, RUNNING_NAMES),
-        kv_usage=_first(samples, KV_USAGE_NAMES),
-        prefix_queries=_first(samples, PREFIX_QUERY_NAMES),
-        prefix_hits=_first(samples, PREFIX_HIT_NAMES),
-        prefix_hit_rate=_first(samples, HIT_RATE_NAMES),
-        spec_accepted=_first(samples, SPEC_ACCEPTED_NAMES),
-        spec_draft=_first(samples, SPEC_DRAFT_NAMES),
-        spec_accept_length=_first(samples, SPEC_LENGTH_NAMES),
+        waiting=_first(samples, names.waiting),
+        running=_first(samples, names.running),
+        kv_usage=_first(samples, names.kv_usage),
+        prefix_queries=_first(samples, names.prefix_queries),
+        prefix_hits=_first(samples, names.prefix_hits),
+        prefix_hit_rate=_first(samples, names.prefix_hit_rate),
+        spec_accepted=_first(samples, names.spec_accepted),
+        spec_draft=_first(samples, names.spec_draft),
+        spec_accept_length=_first(samples, names.spec_accept_length),
     )
 
 
-def parse_signals(text: str, at: float) -> EngineSignals:
-    return signals_from(parse_samples(text, SIGNAL_NAMES), at)
+def parse_signals(text: str, at: float, dialect: Dialect = Dialect.OPENAI) -> EngineSignals:
+    """The signals of ``/metrics`` text under the names ``dialect``'s engine publishes."""
+    names = DIALECTS[dialect].metrics
+    return signals_from(parse_samples(text, names.all()), at, names)
 
 
 class SignalScraper:
@@ -190,10 +176,11 @@ class SignalScraper:
 
     async def _scrape(self, backend: Backend) -> None:
         headers = {"authorization": f"Bearer {backend.cfg.api_key}"} if backend.cfg.api_key else None
+        names = DIALECTS[backend.cfg.dialect].metrics
         try:
             async with asyncio.timeout(self.timeout_s):
-                samples = await scrape(self.client, backend.cfg.url, SIGNAL_NAMES, headers)
+                samples = await scrape(self.client, backend.cfg.url, names.all(), headers)
         except TimeoutError:
             return
         if samples:
-            backend.signals = signals_from(samples, self.clock())
+            backend.signals = signals_from(samples, self.clock(), names)

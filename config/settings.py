@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 
 class Dialect(StrEnum):
-    """How an engine spells the fields we shape (thinking budgets, reasoning output)."""
+    """The engine kind; what the gateway knows per kind is one entry of backends/dialects.py."""
 
     VLLM = "vllm"
     SGLANG = "sglang"
@@ -303,7 +303,10 @@ class BackendConfig(_Section):
         description="Relative capacity: its share of new conversations",
     )
     dialect: Dialect = Field(
-        default=Dialect.OPENAI, description="How the engine spells thinking budgets and reasoning output"
+        default=Dialect.OPENAI,
+        description="Engine kind: how it spells thinking budgets and continuations, where it writes "
+        "reasoning, which /metrics names it publishes (openai: any engine's), whether it takes image "
+        "embeddings",
     )
     api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
     forward_client_key: bool = Field(

@@ -44,7 +44,7 @@ from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import status_page
 from gateway.upstream import UpstreamPool
-from gateway.vision import VisionRouting, VisionStep
+from gateway.vision import VisionRouting, VisionStep, no_embeds
 from gateway.waiting import WaitingRoom
 from routing.params import RoutingParams
 from routing.policies import Policy, make_policy
@@ -142,6 +142,9 @@ class Gateway:
         self.encoder: SidecarClient | None = None
         host = None if cfg is None else SidecarHost(cfg, settings, self.client)
         modes = {b.vision for b in settings.backends}
+        refused = [why for b in settings.backends if (why := no_embeds(b)) is not None]
+        if refused:
+            raise ValueError("; ".join(refused))
         if modes - {VisionMode.NATIVE}:
             self.proxy.filters = (*self.proxy.filters, VisionRouting(self.registry, host))
         if VisionMode.EMBEDS in modes:

@@ -3,8 +3,8 @@
 A client asks with ``thinking_budget`` (tokens, 0 = no thinking) and/or ``reasoning_effort`` (OpenAI's field),
 in the body or, for clients that cannot add body fields, in headers (the body wins when both are given).
 ``resolve`` turns that into a ``Thinking`` or a 400 before any engine is called; ``BudgetStep`` (a
-``PrepareStep``) spells it for the dialect of the backend each attempt goes to (gateway/dialects.py), or marks
-the attempt for the gateway-enforced path (gateway/continuation.py).
+``PrepareStep``) spells it for the dialect of the backend each attempt goes to (backends/dialects.py), or
+marks the attempt for the gateway-enforced path (gateway/continuation.py).
 
 Rules where the issue is silent:
 - an explicit budget must leave room for an answer: ``thinking_budget < max_completion_tokens`` (or
@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backends.dialects import DIALECTS
 from backends.registry import Backend
 from config.settings import BudgetEnforcement, Dialect, Effort, ModelConfig, ThinkingConfig
 from gateway.context import Draft, RequestContext
 from gateway.continuation import shape_phase1
-from gateway.dialects import DIALECTS
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
 
@@ -117,7 +117,7 @@ class BudgetStep:
         dialect = backend.cfg.dialect
         thinking.gateway_enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
         shaped = draft.edit()
-        DIALECTS[dialect].shape(shaped, thinking, native=not thinking.gateway_enforced)
+        DIALECTS[dialect].budget.shape(shaped, thinking, native=not thinking.gateway_enforced)
         if thinking.gateway_enforced:
             shape_phase1(shaped, thinking)
         self.metrics.budget_attempt(
@@ -126,11 +126,12 @@ class BudgetStep:
 
 
 def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinking) -> bool:
-    """Only a positive cap needs enforcing by the gateway; "off" is a template switch every dialect has."""
+    """Only a positive cap needs enforcing by the gateway; "off" is a template switch every dialect has.
+    ``auto``: the gateway enforces where the engine has no native cap."""
     if thinking.budget is None or thinking.budget == 0:
         return False
     if mode is BudgetEnforcement.AUTO:
-        return dialect is Dialect.OPENAI
+        return not DIALECTS[dialect].budget.native
     return mode is BudgetEnforcement.GATEWAY
 
 

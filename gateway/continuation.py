@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Send
 
-from config.settings import ThinkingConfig, TimeoutConfig
+from backends.dialects import DIALECTS
+from config.settings import Dialect, ThinkingConfig, TimeoutConfig
 from gateway.context import RequestContext, canonical_json
 from gateway.errors import BadRequest, UpstreamError, UpstreamReplyTooLarge, UpstreamTimeout
 from gateway.metrics import Metrics
@@ -262,7 +263,8 @@ class Continuation:
         await first.aclose()
         ctx.upstream = None
         backend = ctx.lease.backend
-        payload = canonical_json(self.phase2_body(ctx.body, phase, stream=stream))
+        phase2 = self.phase2_body(ctx.body, phase, stream=stream, dialect=backend.cfg.dialect)
+        payload = canonical_json(phase2)
         forward = ctx.client is None or backend.cfg.forward_client_key
         headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
         watch = first.watch if isinstance(first, _Timed) else None
@@ -276,14 +278,15 @@ class Continuation:
         watch.chunk_sent()
         return _Timed(response, watch)
 
-    def phase2_body(self, original: dict[str, Any], phase: _Phase, *, stream: bool) -> dict[str, Any]:
+    def phase2_body(
+        self, original: dict[str, Any], phase: _Phase, *, stream: bool, dialect: Dialect = Dialect.OPENAI
+    ) -> dict[str, Any]:
         out = {k: v for k, v in original.items() if k not in ("thinking_budget", "reasoning_effort")}
         reasoning, content = "".join(phase.reasoning), "".join(phase.content)
         prefix = self.cfg.open_marker + reasoning
         prefix += self.cfg.close_marker + content if content else self.cfg.early_stop
         out["messages"] = [*original["messages"], {"role": "assistant", "content": prefix}]
-        out["continue_final_message"] = True
-        out["add_generation_prompt"] = False
+        out.update(DIALECTS[dialect].continuation)  # vLLM: continue_final_message, no generation prompt
         kwargs = original.get("chat_template_kwargs")
         out["chat_template_kwargs"] = {
             **(kwargs if isinstance(kwargs, dict) else {}),

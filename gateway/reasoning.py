@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.types import Message
 
+from backends.dialects import REASONING_FIELDS
 from config.settings import ReasoningFields
 from gateway.context import RequestContext, canonical_json
 from gateway.relay import MAX_REPLY_BYTES, Rewrite, read_reply, reply_too_large
@@ -16,7 +17,7 @@ from gateway.sse import MAX_EVENT_BYTES, Event, EventSplitter
 
 CHAT_PATH = "/v1/chat/completions"
 
-FIELDS = ("reasoning", "reasoning_content")
+FIELDS = REASONING_FIELDS  # every dialect's output fields (backends/dialects.py)
 
 
 def reasoning_of(part: dict[str, Any]) -> str | None:

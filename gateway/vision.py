@@ -23,10 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.dialects import DIALECTS, EmbedsFormat
 from backends.registry import Backend, Registry
-from config.settings import VisionMode
+from config.settings import BackendConfig, VisionMode
 from gateway.context import Draft, RequestContext
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, GatewayError, UpstreamError
 from gateway.inbound import check_text
 from gateway.sidecar import Encoding, ImageRejected, SidecarClient, SidecarHost, VisionUnavailable
 
@@ -125,9 +126,14 @@ class VisionStep:
         memo = memo_of(ctx)
         if not memo.images:
             return
+        fmt = DIALECTS[backend.cfg.dialect].embeds
+        if fmt is None:  # refused at start-up and by the admin API (``no_embeds``): belt and braces
+            raise UpstreamError(
+                f"backend {backend.id}: dialect {backend.cfg.dialect} takes no image embeddings"
+            )
         await self._encode(memo)
         shaped = draft.edit()
-        shaped["messages"] = _with_embeds(shaped["messages"], memo)
+        shaped["messages"] = _with_embeds(shaped["messages"], memo, fmt)
 
     async def _encode(self, memo: VisionMemo) -> None:
         """Encode the request's images not encoded yet, in parallel, each unique image once."""
@@ -149,6 +155,13 @@ class VisionStep:
             memo.encodings[url] = task.result()
 
 
+def no_embeds(cfg: BackendConfig) -> str | None:
+    """Why ``cfg`` cannot be ``vision: embeds`` (its engine takes no ``image_embeds`` parts), or None."""
+    if cfg.vision is not VisionMode.EMBEDS or DIALECTS[cfg.dialect].embeds is not None:
+        return None
+    return f"backend {cfg.id}: dialect {cfg.dialect} takes no image embeddings; use vision: native or none"
+
+
 async def _encode_one(sidecar: SidecarClient, image: ImagePart) -> Encoding:
     try:
         return await sidecar.encode(image.url)
@@ -157,25 +170,22 @@ async def _encode_one(sidecar: SidecarClient, image: ImagePart) -> Encoding:
         raise
 
 
-def _with_embeds(messages: list[Any], memo: VisionMemo) -> list[Any]:
+def _with_embeds(messages: list[Any], memo: VisionMemo, fmt: EmbedsFormat) -> list[Any]:
     """A new messages list: the messages holding images rebuilt, the others shared with the original."""
     out = list(messages)
     for index in _distinct(image.message for image in memo.images):
         msg = messages[index]
-        content = [_embeds_part(memo.encodings, part) for part in msg["content"]]
+        content = [_embeds_part(memo.encodings, part, fmt) for part in msg["content"]]
         out[index] = {**msg, "content": content}
     return out
 
 
-def _embeds_part(encodings: dict[str, Encoding], part: Any) -> Any:
+def _embeds_part(encodings: dict[str, Encoding], part: Any, fmt: EmbedsFormat) -> Any:
     if not (isinstance(part, dict) and part.get("type") == "image_url"):
         return part
     image_url = part["image_url"]
     enc = encodings[image_url["url"] if isinstance(image_url, dict) else image_url]
-    return {
-        "type": "image_embeds",
-        "image_embeds": {"image_embeds": enc.image_embeds, "image_grid_thw": enc.image_grid_thw},
-    }
+    return fmt.part(enc.image_embeds, enc.image_grid_thw)
 
 
 def _distinct(values: Iterable[int]) -> list[int]:

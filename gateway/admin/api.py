@@ -43,6 +43,7 @@ from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
 from gateway.errors import NotFound
 from gateway.state import StoreView
+from gateway.vision import no_embeds
 from routing.types import Reason
 
 if TYPE_CHECKING:
@@ -250,6 +251,8 @@ class AdminApi:
                 "(it runs a command on this host)",
                 param="managed",
             )
+        if (why := no_embeds(cfg)) is not None:
+            raise Unprocessable(why, param="vision")
         try:
             parts = urlsplit(cfg.url)
             port_ok = parts.port is None or parts.port > 0
