@@ -174,7 +174,7 @@ def _claimer(store: Any, n_backends: int) -> Callable[[int], Awaitable[tuple[flo
         key = chat_key(body)
         t1 = time.perf_counter()
         view = await store.view(key)
-        candidates = registry.snapshot("bench", view.conversations, view.in_flight)
+        candidates = registry.candidates("bench", view.conversations, view.in_flight, t1)
         decision = policy.select(candidates, RouteRequest(key, view.pinned), t1)
         assert decision.pin is PinAction.CLAIM, decision  # every conversation is new
         await store.commit(key, decision)
