@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from config.settings import ConfigError, load_settings
-from gateway.app import ServingApp
 from gateway.server import run, uvicorn_config
 
 #: Subcommands implemented elsewhere, imported by name only when used: name -> (module, help).
@@ -89,6 +88,9 @@ def _serve(ns: argparse.Namespace) -> int:
     # are handed these settings (``ServingApp``), never reading the file or the environment again.
     server = server.model_copy(update={"host": host, "port": port, "workers": workers})
     settings = settings.model_copy(update={"server": server})
+    # Imported here: the app pulls in the whole gateway, which --version and the delegates never need.
+    from gateway.app import ServingApp
+
     # Our Config subclass carries the inbound limits (header/body deadlines, head size, connection cap).
     return run(uvicorn_config(ServingApp(settings), settings, factory=True))
 
