@@ -5,7 +5,7 @@ registry's ``Backend`` (what routing reads) and is the sink of the health checke
 ``ProbeOk``/``ProbeFailed`` events) and of the proxy (request outcomes feed the circuit breaker).
 
 Mirroring rule: ``Backend.state`` is the lifecycle state, and ``Backend.circuit_open`` is set while the
-circuit is open; ``Registry.snapshot`` shows such a backend to routing as DOWN, so it takes no new work and
+circuit is open; ``Registry.candidates`` shows such a backend to routing as DOWN, so it takes no new work and
 its pinned conversations re-pin (``repin_unhealthy``) until the breaker lets a trial through.
 """
 

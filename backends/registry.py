@@ -150,36 +150,28 @@ class Registry:
             return list(self.backends.values())
         return self._by_model.get(model, [])
 
-    def snapshot(
+    def candidates(
         self,
         model: str | None,
         conversations: Mapping[str, int],
-        in_flight: Mapping[str, int] | None = None,
+        in_flight: Mapping[str, int] | None,
+        now: float,
     ) -> tuple[Candidate, ...]:
-        """Candidates for ``model``; ``in_flight`` (counts shared by other replicas) replaces local counts."""
-        if in_flight is None:
-            return tuple(
-                Candidate(b.id, b.routing_state, b.in_flight, conversations.get(b.id, 0), b.cfg.weight)
-                for b in self.for_model(model)
-            )
-        return tuple(
-            Candidate(b.id, b.routing_state, in_flight.get(b.id, 0), conversations.get(b.id, 0), b.cfg.weight)
-            for b in self.for_model(model)
-        )
+        """The one snapshot every policy decides on: each backend serving ``model`` with every signal.
 
-    def candidates(
-        self, model: str | None, active: Mapping[str, int], in_flight: Mapping[str, int] | None, now: float
-    ) -> tuple[Candidate, ...]:
-        """The ttft policy's snapshot: active (not pinned) conversations, queued prefill, learned rates and
-        the engine's reported queue when its signals are fresh."""
+        ``conversations``: per backend, pinned ones (affinity) or active ones (ttft); ``in_flight``: counts
+        shared by other replicas, replacing the local ones (None: this process's leases); ``now``: monotonic
+        time, for the engine signals' freshness. A policy reads the fields it needs; the others cost a slot.
+        """
+        count = conversations.get
         out = []
         for b in self.for_model(model):
-            s = b.signals
+            cfg, s = b.cfg, b.signals
             waiting = -1
             if s is not None and s.waiting is not None and now - s.at <= SIGNALS_MAX_AGE_S:
                 waiting = int(s.waiting)
-            flying = b.in_flight if in_flight is None else in_flight.get(b.id, 0)
-            out.append(Candidate(b.id, b.routing_state, flying, active.get(b.id, 0), b.cfg.weight,
+            flying = b.in_flight if in_flight is None else in_flight.get(cfg.id, 0)
+            out.append(Candidate(cfg.id, b.routing_state, flying, count(cfg.id, 0), cfg.weight,
                                  b.prefilling, b.prefill_tps, waiting))  # fmt: skip
         return tuple(out)
 

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -25,7 +25,7 @@ from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.managed import BackendController
 from backends.registry import Registry
-from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode, load_settings
+from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
 from gateway.admin import Admin
 from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
@@ -51,8 +51,6 @@ from routing.policies import Policy, make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
 
 log = logging.getLogger("warmroute")
-
-CONFIG_ENV = "WARMROUTE_CONFIG_FILE"
 
 
 class Gateway:
@@ -328,9 +326,20 @@ def create_app(
     return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
 
 
-def create_app_from_env() -> AccessGuard:
-    """uvicorn factory for multi-worker serving: the config path comes from $WARMROUTE_CONFIG_FILE."""
-    return create_app(load_settings(os.environ.get(CONFIG_ENV)), freeze_gc=True)
+@dataclass(frozen=True, slots=True)
+class ServingApp:
+    """uvicorn's app factory for ``warmroute serve``: builds the app from settings already validated.
+
+    uvicorn pickles its Config, this factory with it, into each worker it spawns; a worker unpickles the
+    parent's ``Settings`` (no validation, no file or environment read) instead of loading them again. So a
+    process loads its settings once, and every worker runs exactly what the parent checked, even if the file
+    changed since.
+    """
+
+    settings: Settings
+
+    def __call__(self) -> AccessGuard:
+        return create_app(self.settings, freeze_gc=True)
 
 
 def _model_card(name: str, created: int) -> dict[str, object]:

@@ -20,8 +20,8 @@
   accepted (the gateway serves none, and nothing may reach the app unchecked), any other type is an error.
 
 Whether the admin listener is loopback is decided by the address the settings bind it to
-(``admin.host``/``server.host``; ``warmroute serve --host`` exports its override into the environment, so
-every worker reads the same), not by a connection's local address: a socket bound to 0.0.0.0 reports
+(``admin.host``/``server.host``; ``warmroute serve --host`` writes its override into the settings every
+worker is handed), not by a connection's local address: a socket bound to 0.0.0.0 reports
 127.0.0.1 to a local client.
 """
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -85,15 +84,15 @@ def _serve(ns: argparse.Namespace) -> int:
     # httpx logs every request at INFO: the health probes and canaries would fill the log each interval.
     # Their failures reach our own log through the lifecycle; httpx's own warnings still show.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    if ns.config:
-        os.environ["WARMROUTE_CONFIG_FILE"] = os.path.abspath(ns.config)
-    # Workers read their settings again: they must see the listener the admin access rules are about.
-    os.environ["WARMROUTE_SERVER__HOST"] = host
+    # The flags become settings: the admin access rules are about the listener actually bound, and workers
+    # are handed these settings (``ServingApp``), never reading the file or the environment again.
+    server = server.model_copy(update={"host": host, "port": port, "workers": workers})
+    settings = settings.model_copy(update={"server": server})
+    # Imported here: the app pulls in the whole gateway, which --version and the delegates never need.
+    from gateway.app import ServingApp
+
     # Our Config subclass carries the inbound limits (header/body deadlines, head size, connection cap).
-    config = uvicorn_config(
-        "gateway.app:create_app_from_env", settings, factory=True, host=host, port=port, workers=workers
-    )
-    return run(config)
+    return run(uvicorn_config(ServingApp(settings), settings, factory=True))
 
 
 if __name__ == "__main__":

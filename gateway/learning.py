@@ -2,7 +2,7 @@
 
 ``RoutingFeedback`` is both ends of one loop:
 
-- before routing (``plan``, ``request``, ``candidates``): the request's shape in tokens (a learned
+- before routing (``plan``, ``request``, ``conversations``): the request's shape in tokens (a learned
   characters-per-token ratio), the key of turns >= 2 extended with the first reply's beginning (identical
   heads told apart, ``routing.keys.reply_key``), which backends recently prefilled the head, the twin hint
   (the backend that produced this conversation's first reply), active conversations: those between turns
@@ -31,9 +31,10 @@ from routing.holders import HeadHolders
 from routing.keys import first_reply, reply_key
 from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
 from routing.policies import Policy
+from routing.settle import settle_pin
 from routing.shape import chat_shape
 from routing.speed import Ewma, SpeedEstimator
-from routing.types import Candidate, Decision, PinAction, RouteRequest
+from routing.types import Decision, RouteRequest
 
 #: Bytes of a request body per prompt token before usage reports teach better (JSON framing included).
 DEFAULT_CHARS_PER_TOKEN = 4.0
@@ -111,10 +112,10 @@ class RoutingFeedback:
             hint=hint,
         )
 
-    def candidates(self, model: str | None, in_flight: Mapping[str, int] | None) -> tuple[Candidate, ...]:
-        now = self.clock()
-        self.active.expire(now)
-        return self.registry.candidates(model, self.active.counts(), in_flight, now)
+    def conversations(self) -> Mapping[str, int]:
+        """Active conversations per backend: what the ttft policy counts where affinity counts pins."""
+        self.active.expire(self.clock())
+        return self.active.counts()
 
     def explain(
         self, ctx: RequestContext, pinned: str | None, in_flight: Mapping[str, int] | None, policy: Policy
@@ -126,16 +127,14 @@ class RoutingFeedback:
         if ctx.route is None:
             self.plan(ctx)
         request = replace(self.request(ctx, pinned, frozenset()), explain=True)
-        return self.settle(
-            ctx, pinned, policy.select(self.candidates(ctx.model, in_flight), request, self.clock())
-        )
+        now = self.clock()
+        candidates = self.registry.candidates(ctx.model, self.conversations(), in_flight, now)
+        return self.settle(ctx, pinned, policy.select(candidates, request, now))
 
     def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
-        """A first turn never claims a head pinned elsewhere (its twin's): the claim would win it back."""
+        """The pin ``decision`` may write (``routing.settle``): a first turn never claims its twin's head."""
         info = ctx.route
-        if info is not None and info.first_turn and pinned is not None and decision.pin is PinAction.CLAIM:
-            return replace(decision, pin=PinAction.NONE)
-        return decision
+        return decision if info is None else settle_pin(decision, first_turn=info.first_turn, pinned=pinned)
 
     # -- after sending --------------------------------------------------------------------------------
 

@@ -2,9 +2,9 @@
 
 Label values come only from enums and configuration (backend ids, model names, canary check names, reasons),
 never from client input: a request for an unknown model is refused before routing, so ``model`` is always a
-configured name (or empty for a body without one). No family here is built with a creation time, and the
-few plain prometheus_client metrics (on-demand engines) have theirs turned off process-wide, so no
-``_created`` series are exported.
+configured name (or empty for a body without one). No family here is built with a creation time, so no
+``_created`` series are exported; the one plain prometheus_client metric is a gauge (gauges have none).
+Importing this module changes nothing: collectors exist only on the registries ``Metrics`` creates.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -39,8 +39,6 @@ from backends.registry import Registry
 from gateway.observe import Observation
 from gateway.outcomes import AttemptOutcome, RequestOutcome
 from routing.types import BackendState, Reason
-
-disable_created_metrics()  # type: ignore[no-untyped-call]  # a `_created` sample per child is scrape noise
 
 if TYPE_CHECKING:
     from backends.managed import BackendController
@@ -213,15 +211,18 @@ def _drop(table: dict[_K, _V], position: int, backend: str) -> None:
 
 
 class _Histogram:
-    __slots__ = ("buckets", "count", "sum")
+    __slots__ = ("bounds", "buckets", "count", "labels", "sum")
 
-    def __init__(self) -> None:
-        self.buckets = [0] * len(_LATENCY_BUCKETS)  # non-cumulative; +Inf is ``count``
+    def __init__(
+        self, bounds: tuple[float, ...] = _LATENCY_BUCKETS, labels: tuple[str, ...] = _BUCKET_LABELS
+    ) -> None:
+        self.bounds, self.labels = bounds, labels  # upper bounds, and each as Prometheus writes it
+        self.buckets = [0] * len(bounds)  # non-cumulative; +Inf is ``count``
         self.count = 0
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        i = bisect.bisect_left(_LATENCY_BUCKETS, value)
+        i = bisect.bisect_left(self.bounds, value)
         if i < len(self.buckets):
             self.buckets[i] += 1
         self.count += 1
@@ -230,7 +231,7 @@ class _Histogram:
     def cumulative(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         running = 0
-        for label, n in zip(_BUCKET_LABELS, self.buckets, strict=True):
+        for label, n in zip(self.labels, self.buckets, strict=True):
             running += n
             out.append((label, float(running)))
         out.append(("+Inf", float(self.count)))
@@ -481,66 +482,93 @@ class _BackendCollector(Collector):
 
 
 _STARTING_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600)
+_STARTING_LABELS = tuple(repr(float(bound)) for bound in _STARTING_BUCKETS)
 
 
-class OnDemandMetrics:
-    """On-demand engines (``backends.demand.DemandMetrics``): rare events, so plain prometheus_client
-    children. Labels: backend ids, groups and models from the configuration, enum values."""
+class OnDemandMetrics(Collector):
+    """On-demand engines (``backends.demand.DemandMetrics``), registered on ``r``: rare events, tallied like
+    the rest. Labels: backend ids, groups and models from the configuration, enum values."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.starts = Counter("warmroute_ondemand_starts", "On-demand engine starts", ["backend"], registry=r)
-        self.stops = Counter(
-            "warmroute_ondemand_stops",
-            "On-demand engine stops by why (idle, swap, failed)",
-            ["backend", "why"],
-            registry=r,
-        )
-        self.swaps = Counter(
-            "warmroute_ondemand_swaps", "Engines swapped out for another member", ["group"], registry=r
-        )
-        self.starting = Histogram(
-            "warmroute_ondemand_starting_seconds",
-            "From the start of an on-demand engine to READY (canary passed)",
-            ["backend"],
-            buckets=_STARTING_BUCKETS,
-            registry=r,
-        )
-        self.refused = Counter(
-            "warmroute_ondemand_evictions_refused",
-            "Swaps held back because the running engine had requests in flight",
-            ["backend"],
-            registry=r,
-        )
-        self.waiting = Gauge(
-            "warmroute_ondemand_queue_depth", "Requests waiting for an engine", ["model"], registry=r
-        )
-        self.wait = Histogram(
-            "warmroute_ondemand_wait_seconds",
-            "Time requests waited for an on-demand engine, by outcome (admitted or why refused)",
-            ["model", "outcome"],
-            buckets=_STARTING_BUCKETS,
-            registry=r,
-        )
+        self.starts: dict[tuple[str], int] = {}
+        self.stops: dict[tuple[str, str], int] = {}  # (backend, why)
+        self.swaps: dict[tuple[str], int] = {}
+        self.refused: dict[tuple[str], int] = {}
+        self.starting: dict[str, _Histogram] = {}
+        self.depths: dict[str, int] = {}
+        self.waits: dict[tuple[str, str], _Histogram] = {}  # (model, outcome)
+        r.register(self)
 
     def started(self, engine: str) -> None:
-        self.starts.labels(engine).inc()
+        _bump(self.starts, (engine,))
 
     def ready(self, engine: str, starting_s: float) -> None:
-        self.starting.labels(engine).observe(starting_s)
+        _histogram(self.starting, engine).observe(starting_s)
 
     def stopped(self, engine: str, why: str, group: str | None) -> None:
-        self.stops.labels(engine, why).inc()
+        _bump(self.stops, (engine, why))
         if why == "swap" and group is not None:
-            self.swaps.labels(group).inc()
+            _bump(self.swaps, (group,))
 
     def eviction_refused(self, engine: str) -> None:
-        self.refused.labels(engine).inc()
+        _bump(self.refused, (engine,))
 
     def waited(self, model: str, seconds: float, outcome: str) -> None:
-        self.wait.labels(model, outcome).observe(seconds)
+        _histogram(self.waits, (model, outcome)).observe(seconds)
 
     def depth(self, model: str, waiting: int) -> None:
-        self.waiting.labels(model).set(waiting)
+        self.depths[model] = waiting
+
+    def collect(self) -> _Families:
+        yield from _counter("warmroute_ondemand_starts", "On-demand engine starts", ("backend",), self.starts)
+        yield from _counter(
+            "warmroute_ondemand_stops",
+            "On-demand engine stops by why (idle, swap, failed)",
+            ("backend", "why"),
+            self.stops,
+        )
+        yield from _counter(
+            "warmroute_ondemand_swaps", "Engines swapped out for another member", ("group",), self.swaps
+        )
+        starting = HistogramMetricFamily(
+            "warmroute_ondemand_starting_seconds",
+            "From the start of an on-demand engine to READY (canary passed)",
+            labels=["backend"],
+        )
+        for backend, h in list(self.starting.items()):
+            starting.add_metric([backend], h.cumulative(), h.sum)
+        yield starting
+        yield from _counter(
+            "warmroute_ondemand_evictions_refused",
+            "Swaps held back because the running engine had requests in flight",
+            ("backend",),
+            self.refused,
+        )
+        depth = GaugeMetricFamily(
+            "warmroute_ondemand_queue_depth", "Requests waiting for an engine", labels=["model"]
+        )
+        for model, n in list(self.depths.items()):
+            depth.add_metric([model], n)
+        yield depth
+        wait = HistogramMetricFamily(
+            "warmroute_ondemand_wait_seconds",
+            "Time requests waited for an on-demand engine, by outcome (admitted or why refused)",
+            labels=["model", "outcome"],
+        )
+        for (model, outcome), h in list(self.waits.items()):
+            wait.add_metric([model, outcome], h.cumulative(), h.sum)
+        yield wait
+
+
+def _bump(table: dict[_K, int], key: _K) -> None:
+    table[key] = table.get(key, 0) + 1
+
+
+def _histogram(table: dict[_V, _Histogram], key: _V) -> _Histogram:
+    h = table.get(key)
+    if h is None:
+        h = table[key] = _Histogram(_STARTING_BUCKETS, _STARTING_LABELS)
+    return h
 
 
 class ClientRequests(Collector):

@@ -224,16 +224,16 @@ class Proxy:
             exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
-        feedback = self.feedback
-        if feedback is not None and ctx.route is not None:  # the ttft policy: gateway/learning.py
-            candidates = feedback.candidates(ctx.model, view.in_flight)
-            request = feedback.request(ctx, ctx.pinned, exclude)
+        feedback = self.feedback if ctx.route is not None else None  # the ttft policy: gateway/learning.py
+        if feedback is None:
+            conversations, request = view.conversations, RouteRequest(ctx.key, ctx.pinned, exclude)
         else:
-            candidates = self.registry.snapshot(ctx.model, view.conversations, view.in_flight)
-            request = RouteRequest(ctx.key, ctx.pinned, exclude)
+            conversations, request = feedback.conversations(), feedback.request(ctx, ctx.pinned, exclude)
+        now = time.monotonic()
+        candidates = self.registry.candidates(ctx.model, conversations, view.in_flight, now)
         if ctx.ineligible:  # absent, not excluded: a policy treats an exclusion as a retry
             candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
-        decision = ctx.policy.select(candidates, request, time.monotonic())
+        decision = ctx.policy.select(candidates, request, now)
         if feedback is not None and ctx.route is not None:
             ctx.route.uncached_tokens = decision.uncached_tokens
             return feedback.settle(ctx, ctx.pinned, decision)

@@ -115,11 +115,13 @@ async def _measure(n: int, n_backends: int, freeze: bool) -> dict[str, Any]:
         gc.freeze()
     empty = [_timed(gc.collect) for _ in range(2)]  # what a full collection walks without the table
     tracked_before, before, pauses = len(gc.get_objects()), rss_bytes(), GcPauses().install()
+    runs_before = [g["collections"] for g in gc.get_stats()]
     key_s = route_s = 0.0
     for i in range(n):
         k, r = await claim(i)
         key_s, route_s = key_s + k, route_s + r
     after, during = rss_bytes(), pauses.snapshot()
+    runs = [g["collections"] - was for g, was in zip(gc.get_stats(), runs_before, strict=True)]
     pauses.remove()
     full = [_timed(gc.collect) for _ in range(3)]
     young = [_timed(lambda g=g: gc.collect(g)) for g in (0, 1)]
@@ -137,6 +139,7 @@ async def _measure(n: int, n_backends: int, freeze: bool) -> dict[str, Any]:
         "chat_key_us": key_s / n * 1e6,
         "claim_us": route_s / n * 1e6,
         "gc_during_claims": during,
+        "gc_collections_during_claims": runs,  # the interpreter's own count, per generation
         "gc_collect_full_empty_table_ms": [t * 1e3 for t in empty],
         "gc_collect_full_ms": [t * 1e3 for t in full],
         "gc_collect_gen0_ms": young[0] * 1e3,
@@ -174,7 +177,7 @@ def _claimer(store: Any, n_backends: int) -> Callable[[int], Awaitable[tuple[flo
         key = chat_key(body)
         t1 = time.perf_counter()
         view = await store.view(key)
-        candidates = registry.snapshot("bench", view.conversations, view.in_flight)
+        candidates = registry.candidates("bench", view.conversations, view.in_flight, t1)
         decision = policy.select(candidates, RouteRequest(key, view.pinned), t1)
         assert decision.pin is PinAction.CLAIM, decision  # every conversation is new
         await store.commit(key, decision)

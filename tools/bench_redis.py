@@ -76,7 +76,7 @@ async def _route_one(store: AffinityStore, registry: Registry, policy: Any, key:
     t = time.perf_counter()
     view = await store.view(key)
     decision = policy.select(
-        registry.snapshot(None, view.conversations, view.in_flight), RouteRequest(key, view.pinned), t
+        registry.candidates(None, view.conversations, view.in_flight, t), RouteRequest(key, view.pinned), t
     )
     assert decision.backend is not None
     backend = decision.backend

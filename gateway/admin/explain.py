@@ -28,7 +28,8 @@ from routing.types import Candidate, Cost, Decision, RouteRequest
 if TYPE_CHECKING:
     from gateway.learning import RoutingFeedback
 
-_CORE = frozenset(Candidate._fields)
+#: Candidate fields the view has a field of its own for; every other one (a routing signal) is in ``signals``.
+_CORE = frozenset(Candidate._fields) & frozenset(CandidateView.model_fields)
 
 
 class Explainer:
@@ -58,12 +59,13 @@ class Explainer:
             key = ctx.key
         view = await self.store.view(key if policy.uses_affinity else None)
         decision: Decision
+        now = time.monotonic()
         if feedback is not None and ctx is not None:
-            candidates = feedback.candidates(model, view.in_flight)
+            candidates = self.registry.candidates(model, feedback.conversations(), view.in_flight, now)
             decision = feedback.explain(ctx, view.pinned, view.in_flight, policy)
         else:
-            candidates = self.registry.snapshot(model, view.conversations, view.in_flight)
-            decision = policy.select(candidates, RouteRequest(key, view.pinned), time.monotonic())
+            candidates = self.registry.candidates(model, view.conversations, view.in_flight, now)
+            decision = policy.select(candidates, RouteRequest(key, view.pinned), now)
         return Explanation(
             key=key,
             model=model,

@@ -6,7 +6,9 @@ from typing import Any
 
 import httpx
 
+from gateway.admin.explain import _candidate
 from routing.keys import chat_key, session_key
+from routing.types import BackendState, Candidate
 
 from admin_helpers import chat, chat_body, metric_lines
 from clusters import ClusterFactory
@@ -135,3 +137,9 @@ def test_openapi_document_lists_every_admin_route(cluster: ClusterFactory) -> No
     }
     assert {"201", "401", "403", "409", "422"} <= set(add["responses"])
     assert "weight" in doc["components"]["schemas"]["BackendPatch"]["properties"]
+
+
+def test_explain_lists_every_routing_signal_beside_the_core_fields() -> None:
+    view = _candidate(Candidate("a", BackendState.READY, 1, 3, 2.0, 800, 4000.0, 2))
+    assert (view.id, view.in_flight, view.conversations, view.weight, view.load) == ("a", 1, 3, 2.0, 2.0)
+    assert view.signals == {"prefilling": 800, "prefill_tps": 4000.0, "waiting": 2}

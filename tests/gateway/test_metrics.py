@@ -5,7 +5,10 @@ from __future__ import annotations
 import threading
 
 import httpx
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import OnDemandMetrics
 
 from clusters import Cluster, ClusterFactory
 from upstreams import FakeEngine
@@ -142,3 +145,38 @@ def test_latency_histograms_bucket_like_prometheus(cluster: ClusterFactory) -> N
     assert series[("warmroute_upstream_first_byte_seconds_count", a)] == 3
     # Every reason is exported, zero or not, so dashboards need no "absent()" guards.
     assert series[("warmroute_routing_decisions_total", (("reason", "spill_overload"),))] == 0
+
+
+def test_on_demand_series_count_exactly_and_carry_no_creation_time() -> None:
+    registry = CollectorRegistry()
+    m = OnDemandMetrics(registry)
+    m.started("a")
+    m.started("a")
+    m.ready("a", 1.0)  # on a bucket's bound: counted in it, as Prometheus does
+    m.stopped("a", "swap", "gpu")
+    m.stopped("a", "idle", None)
+    m.eviction_refused("b")
+    m.waited("ma", 700.0, "admitted")  # past the last bound: only in +Inf
+    m.depth("ma", 3)
+    m.depth("ma", 2)
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("warmroute_ondemand_starts_total", (("backend", "a"),))] == 2
+    assert samples[("warmroute_ondemand_stops_total", (("backend", "a"), ("why", "swap")))] == 1
+    assert samples[("warmroute_ondemand_stops_total", (("backend", "a"), ("why", "idle")))] == 1
+    assert samples[("warmroute_ondemand_swaps_total", (("group", "gpu"),))] == 1
+    assert samples[("warmroute_ondemand_evictions_refused_total", (("backend", "b"),))] == 1
+    assert samples[("warmroute_ondemand_queue_depth", (("model", "ma"),))] == 2
+    starting = (("backend", "a"),)
+    assert samples[("warmroute_ondemand_starting_seconds_bucket", (*starting, ("le", "0.5")))] == 0
+    assert samples[("warmroute_ondemand_starting_seconds_bucket", (*starting, ("le", "1.0")))] == 1
+    assert samples[("warmroute_ondemand_starting_seconds_count", starting)] == 1
+    wait = (("model", "ma"), ("outcome", "admitted"))
+    assert samples[("warmroute_ondemand_wait_seconds_bucket", (("le", "600.0"), *wait))] == 0
+    assert samples[("warmroute_ondemand_wait_seconds_bucket", (("le", "+Inf"), *wait))] == 1
+    assert samples[("warmroute_ondemand_wait_seconds_sum", wait)] == 700.0
+    assert "_created" not in text

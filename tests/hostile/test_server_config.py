@@ -6,6 +6,7 @@ import pickle
 import resource
 
 from config.settings import load_settings
+from gateway.app import ServingApp
 from gateway.server import (
     FD_RESERVE,
     GatewayConfig,
@@ -30,7 +31,7 @@ def test_settings_reach_the_protocol_and_survive_the_trip_to_a_worker() -> None:
             "max_connections": 10,
         },
     )
-    config = uvicorn_config("gateway.app:create_app_from_env", settings, factory=True, port=0)
+    config = uvicorn_config(ServingApp(settings), settings, factory=True, port=0)
     assert config.http is GatewayHttpProtocol
     want = InboundLimits(
         header_timeout_s=3,
@@ -47,6 +48,7 @@ def test_settings_reach_the_protocol_and_survive_the_trip_to_a_worker() -> None:
     copy = pickle.loads(pickle.dumps(config))  # uvicorn spawns workers with a pickled Config
     assert isinstance(copy, GatewayConfig)
     assert copy.inbound_limits == want
+    assert copy.app == ServingApp(settings)  # the worker gets the validated settings, not a path to reread
 
 
 def test_defaults_are_the_documented_ones() -> None:
