@@ -17,12 +17,10 @@ Facts (read from each engine's own source; the user-facing table is docs/thinkin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from config.settings import Dialect
-
-if TYPE_CHECKING:
-    from gateway.budgets import Thinking
+from gateway.thinking import Thinking
 
 _GATEWAY_FIELDS = ("thinking_budget",)
 
