@@ -112,11 +112,27 @@ class Gateway:
         if params.policy == "ttft":
             self.feedback = RoutingFeedback(self.registry, params, settings.routing.session_header)
             self.signals = SignalScraper(self.registry, self.client)
-        # The request path's features, in order (gateway/phases.py sorts them by phase): within a phase the
-        # first listed runs first (images are encoded before the budget is spelled; the guard sees the
-        # engine's own events, before reasoning fields are rewritten and phases stitched).
+        self.proxy = Proxy(
+            settings.timeouts,
+            self.registry,
+            self.store,
+            self.fleet,
+            self.metrics,
+            self.transport,
+            self._modules(settings, vision, modules),
+            hide_engine_errors=settings.server.hide_engine_errors,
+        )
+        self.created = int(time.time())
+        self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
+
+    def _modules(
+        self, settings: Settings, vision: Sequence[object], extra: Sequence[object]
+    ) -> tuple[object, ...]:
+        """The request path's features, in order (gateway/phases.py sorts them by phase): within a phase the
+        first listed runs first (images are encoded before the budget is spelled; the guard sees the engine's
+        own events, before reasoning fields are rewritten and phases stitched)."""
         guard = settings.guard
-        pipeline: list[object] = [
+        return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.waiting] if self.waiting is not None else []),
             *vision,
@@ -125,20 +141,8 @@ class Gateway:
             *([OutputGuard(guard, self.metrics)] if guard.enabled else []),
             ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks),
             Continuation(settings.thinking, self.metrics),
-            *modules,
-        ]
-        self.proxy = Proxy(
-            settings.timeouts,
-            self.registry,
-            self.store,
-            self.fleet,
-            self.metrics,
-            self.transport,
-            pipeline,
-            hide_engine_errors=settings.server.hide_engine_errors,
+            *extra,
         )
-        self.created = int(time.time())
-        self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
 
     def _controller(self, cfg: BackendConfig, *args: Any) -> BackendController:
         """Each lifecycle controller reports its transitions to the metrics (canaries, restarts)."""

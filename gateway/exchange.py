@@ -155,32 +155,8 @@ class Relay:
         assert ctx.lease is not None and ctx.task is not None
         backend = ctx.lease.backend.id
         watch = SilenceWatch.for_request(ctx, self.timeouts)
-        held = not sse and any(f.holds for f in filters)
         try:
-            if held:
-                head = self._unsized(head, backend)
-            else:
-                await _send_head(ctx, send, head, watch)
-            kept, response = [], upstream
-            while True:
-                if held:
-                    kept.append(await self._whole(ctx, response, watch, filters))
-                else:
-                    await self._body(ctx, response, sse, send, watch, filters)
-                payload = next((p for f in filters if (p := f.follow_up()) is not None), None)
-                if payload is None:
-                    break
-                for f in filters:
-                    f.continued()
-                response = await self._follow(ctx, response, payload, watch)
-            tail = _ended(filters)
-            if not held:
-                return b"".join(p.raw for p in tail)
-            _, head = response_head(response, backend, ctx.reason)  # the last exchange's status
-            await _send_head(ctx, send, self._unsized(head, backend), watch)
-            watch.sending = True  # its size is no longer the engine's: sent unsized, the server frames it
-            await send(body(b"".join(kept) + b"".join(p.raw for p in tail), more=True))
-            return b""
+            return await self._exchanges(ctx, upstream, sse, head, send, watch, filters)
         except asyncio.CancelledError:
             if watch.fired is None:
                 raise  # the client left, or the server is stopping
@@ -201,6 +177,45 @@ class Relay:
             watch.cancel()
         self.feed.outcome(backend, False)  # the engine broke or went silent mid-answer
         return error
+
+    async def _exchanges(
+        self,
+        ctx: RequestContext,
+        upstream: TransportResponse,
+        sse: bool,
+        head: Message,
+        send: Send,
+        watch: SilenceWatch,
+        filters: tuple[BodyFilter, ...],
+    ) -> bytes:
+        """The engine's body, then each follow-up a filter asks for; the last bytes to send."""
+        assert ctx.lease is not None
+        backend = ctx.lease.backend.id
+        held = not sse and any(f.holds for f in filters)
+        if held:
+            head = self._unsized(head, backend)
+        else:
+            await _send_head(ctx, send, head, watch)
+        kept, response = [], upstream
+        while True:
+            if held:
+                kept.append(await self._whole(ctx, response, watch, filters))
+            else:
+                await self._body(ctx, response, sse, send, watch, filters)
+            payload = next((p for f in filters if (p := f.follow_up()) is not None), None)
+            if payload is None:
+                break
+            for f in filters:
+                f.continued()
+            response = await self._follow(ctx, response, payload, watch)
+        tail = b"".join(p.raw for p in _ended(filters))
+        if not held:
+            return tail
+        _, head = response_head(response, backend, ctx.reason)  # the last exchange's status
+        await _send_head(ctx, send, self._unsized(head, backend), watch)
+        watch.sending = True  # its size is no longer the engine's: sent unsized, the server frames it
+        await send(body(b"".join(kept) + tail, more=True))
+        return b""
 
     async def _body(
         self,
