@@ -219,6 +219,10 @@ def test_nothing_is_assigned_to_the_proxy_after_construction() -> None:
     so an attribute it does not declare cannot be added at all."""
     from gateway.proxy import Proxy
 
+    for caught in ("c.gateway.proxy.steps = ()", "proxy.observers += (x,)", "proxy.feed: F = f"):
+        node = ast.parse(caught).body[0]
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target  # type: ignore[attr-defined]
+        assert _names_a_proxy(target.value)  # the scan below sees this shape
     offenders = []
     for package in (*PRODUCT, "tools", "tests"):
         for path in sorted((ROOT / package).rglob("*.py")):
