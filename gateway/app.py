@@ -7,7 +7,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from gateway.context import RequestContext
 from gateway.continuation import Continuation
 from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
+from gateway.guard import OutputGuard
 from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics, OnDemandMetrics
@@ -57,8 +58,14 @@ class Gateway:
     """Everything one gateway process owns. Built once from settings; no module-level state."""
 
     def __init__(
-        self, settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False
+        self,
+        settings: Settings,
+        store: AffinityStore | None = None,
+        *,
+        freeze_gc: bool = False,
+        modules: Sequence[object] = (),
     ) -> None:
+        """``modules``: further request-path modules (gateway/phases.py), after the configured ones."""
         self.settings = settings
         self.freeze_gc = freeze_gc
         self.store: AffinityStore = store or make_store(settings)
@@ -88,6 +95,21 @@ class Gateway:
             max_response_header_bytes=settings.upstream.max_response_header_bytes,
             max_response_headers=settings.upstream.max_response_headers,
         )
+        # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
+        # by the gateway where the engine cannot, reasoning output in the fields clients expect.
+        self.budgets = BudgetPolicy(settings.thinking, settings.models)
+        # On-demand engines (backends/ondemand.py): requests for their models wait in the waiting room.
+        self.waiting: WaitingRoom | None = None
+        if self.fleet.demand is not None:
+            self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
+            self.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
+        self.sidecar, vision = self._vision(settings)
+        # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
+        self.feedback: RoutingFeedback | None = None
+        self.signals: SignalScraper | None = None
+        if params.policy == "ttft":
+            self.feedback = RoutingFeedback(self.registry, params, settings.routing.session_header)
+            self.signals = SignalScraper(self.registry, self.client)
         self.proxy = Proxy(
             settings.timeouts,
             self.registry,
@@ -95,32 +117,30 @@ class Gateway:
             self.fleet,
             self.metrics,
             self.transport,
-            guard=settings.guard,
-            observers=(self.metrics,),  # tokens, TTFT, requests by model and route reason
+            self._modules(settings, vision, modules),
             hide_engine_errors=settings.server.hide_engine_errors,
         )
-        # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
-        # by the gateway where the engine cannot, reasoning output in the fields clients expect.
-        self.budgets = BudgetPolicy(settings.thinking, settings.models)
-        self.proxy.steps = (*self.proxy.steps, BudgetStep(self.budgets, self.metrics))
-        self.proxy.continuation = Continuation(
-            self.transport, settings.timeouts, settings.thinking, self.metrics
-        )
-        self.proxy.reasoning = ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks)
-        # On-demand engines (backends/ondemand.py): requests for their models wait in the waiting room.
-        if self.fleet.demand is not None:
-            self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
-            self.proxy.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
-        self.sidecar = self._vision(settings)
-        # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
-        self.signals: SignalScraper | None = None
-        if params.policy == "ttft":
-            feedback = RoutingFeedback(self.registry, params, settings.routing.session_header)
-            self.proxy.feedback = feedback
-            self.proxy.observers = (*self.proxy.observers, feedback)
-            self.signals = SignalScraper(self.registry, self.client)
         self.created = int(time.time())
         self.admin: Admin | None = None  # the /admin API (create_app builds it: it needs the endpoints)
+
+    def _modules(
+        self, settings: Settings, vision: Sequence[object], extra: Sequence[object]
+    ) -> tuple[object, ...]:
+        """The request path's features, in order (gateway/phases.py sorts them by phase): within a phase the
+        first listed runs first (images are encoded before the budget is spelled; the guard sees the engine's
+        own events, before reasoning fields are rewritten and phases stitched)."""
+        guard = settings.guard
+        return (
+            self.metrics,  # tokens, TTFT, requests by model and route reason
+            *([self.waiting] if self.waiting is not None else []),
+            *vision,
+            BudgetStep(self.budgets, self.metrics),
+            *([self.feedback] if self.feedback is not None else []),
+            *([OutputGuard(guard, self.metrics)] if guard.enabled else []),
+            ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks),
+            Continuation(settings.thinking, self.metrics),
+            *extra,
+        )
 
     def _controller(self, cfg: BackendConfig, *args: Any) -> BackendController:
         """Each lifecycle controller reports its transitions to the metrics (canaries, restarts)."""
@@ -133,9 +153,9 @@ class Gateway:
         self.metrics.backends.conversations = (await self.store.view(None)).conversations
         return generate_latest(self.metrics.registry)
 
-    def _vision(self, settings: Settings) -> SidecarHost | None:
+    def _vision(self, settings: Settings) -> tuple[SidecarHost | None, list[object]]:
         """Images (gateway/vision.py): kept from text-only backends, encoded by the sidecar for ``embeds``
-        ones. With every backend ``native`` (the default) nothing is installed and no request is looked at."""
+        ones. With every backend ``native`` (the default) no module is made and no request is looked at."""
         cfg = settings.sidecar
         self.encoder: SidecarClient | None = None
         host = None if cfg is None else SidecarHost(cfg, settings, self.client)
@@ -143,13 +163,14 @@ class Gateway:
         refused = [why for b in settings.backends if (why := no_embeds(b)) is not None]
         if refused:
             raise ValueError("; ".join(refused))
+        modules: list[object] = []
         if modes - {VisionMode.NATIVE}:
-            self.proxy.filters = (*self.proxy.filters, VisionRouting(self.registry, host))
+            modules.append(VisionRouting(self.registry, host))
         if VisionMode.EMBEDS in modes:
             assert cfg is not None and host is not None  # settings refuse embeds without a sidecar
             self.encoder = SidecarClient(cfg, self.client, host)
-            self.proxy.steps = (VisionStep(self.encoder), *self.proxy.steps)
-        return host
+            modules.append(VisionStep(self.encoder))
+        return host, modules
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -253,11 +274,16 @@ class HotPath:
 
 
 def create_app(
-    settings: Settings, store: AffinityStore | None = None, *, freeze_gc: bool = False
+    settings: Settings,
+    store: AffinityStore | None = None,
+    *,
+    freeze_gc: bool = False,
+    modules: Sequence[object] = (),
 ) -> AccessGuard:
     """The ASGI app. ``freeze_gc``: for a serving process (``warmroute serve``), never for tests that build
-    many apps in one interpreter (frozen objects are never collected)."""
-    gw = Gateway(settings, store, freeze_gc=freeze_gc)
+    many apps in one interpreter (frozen objects are never collected). ``modules``: further request-path
+    modules, after the configured ones (gateway/phases.py)."""
+    gw = Gateway(settings, store, freeze_gc=freeze_gc, modules=modules)
     access = AdminAccess.from_settings(settings)
     max_body = settings.limits.max_body_bytes
 

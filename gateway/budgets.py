@@ -18,7 +18,6 @@ Rules where the issue is silent:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from backends.dialects import DIALECTS
@@ -28,25 +27,12 @@ from gateway.context import Draft, RequestContext
 from gateway.continuation import shape_phase1
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
+from gateway.thinking import Thinking
 
 BUDGET_FIELD = "thinking_budget"
 EFFORT_FIELD = "reasoning_effort"
 EFFORTS = tuple(e.value for e in Effort)
 _DEFAULT_MODEL = ModelConfig()
-
-
-@dataclass(slots=True)
-class Thinking:
-    """What one request asked for, resolved against its model's configuration."""
-
-    budget: int | None  # reasoning tokens allowed; None: no cap (effort only, or nothing asked)
-    effort: str | None  # the client's effort, validated
-    explicit: bool  # the budget came from the client, not from an effort table or a model default
-    gateway_enforced: bool = False  # set per attempt by ``BudgetStep``
-
-    @property
-    def off(self) -> bool:
-        return self.budget == 0 or self.effort == Effort.NONE
 
 
 class BudgetPolicy:
@@ -115,14 +101,13 @@ class BudgetStep:
                 draft.edit().pop(BUDGET_FIELD)  # ours: engines would ignore it or refuse it
             return
         dialect = backend.cfg.dialect
-        thinking.gateway_enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
+        enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
         shaped = draft.edit()
-        DIALECTS[dialect].budget.shape(shaped, thinking, native=not thinking.gateway_enforced)
-        if thinking.gateway_enforced:
+        DIALECTS[dialect].budget.shape(shaped, thinking, native=not enforced)
+        if enforced:
             shape_phase1(shaped, thinking)
-        self.metrics.budget_attempt(
-            "off" if thinking.off else "gateway" if thinking.gateway_enforced else "native"
-        )
+            draft.enforced = thinking  # this attempt's, not the request's: a retry elsewhere decides anew
+        self.metrics.budget_attempt("off" if thinking.off else "gateway" if enforced else "native")
 
 
 def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinking) -> bool:

@@ -1,8 +1,9 @@
-"""One request as it travels from the endpoint to the relay, and the ``prepare`` seam that shapes it.
+"""One request as it travels from the endpoint to the relay, and one attempt of it on one backend.
 
 The endpoint fills in what it parsed (body, model, conversation key, policy); the proxy's phases fill in the
 rest (decision, lease, upstream response, outcome). Shaping never mutates ``ctx.body``: each attempt starts a
-``Draft`` of the original, so a retry on an engine of another dialect starts from what the client sent.
+``Draft`` of the original, so a retry on an engine of another dialect starts from what the client sent, and
+what a module decides for one attempt (the gateway enforces this budget here) is written on that attempt.
 """
 
 from __future__ import annotations
@@ -12,18 +13,16 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from backends.registry import Backend, Lease
+from gateway.images import VisionMemo
+from gateway.observe import ResponseTap, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
+from gateway.thinking import Thinking
 from gateway.transport import TransportResponse
 from routing.policies import Policy
 from routing.types import Reason
-
-if TYPE_CHECKING:
-    from gateway.budgets import Thinking
-    from gateway.observe import ResponseTap, RouteInfo
-    from gateway.vision import VisionMemo
 
 
 @dataclass(slots=True)
@@ -34,7 +33,7 @@ class RequestContext:
     raw: bytes  # the client's body, forwarded as is unless a prepare step changes it
     body: dict[str, Any] | None  # parsed JSON object (None: no body, or not ours to read)
     model: str | None
-    key: str  # conversation key (or the path, for routes without conversations)
+    key: str  # conversation key as the endpoint computed it (or the path, for routes without conversations)
     policy: Policy
     headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names)
     started_at: float = field(default_factory=time.monotonic)
@@ -42,12 +41,15 @@ class RequestContext:
     client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any
     peer: str | None = None  # the connection's remote address (host only), if the server told
     vision: VisionMemo | None = None  # the request's images and their encodings (gateway/vision.py)
+    # -- routing inputs, set by the modules' route hooks before routing ---------------------------------
     ineligible: frozenset[str] = frozenset()  # backends that cannot serve this request (``RouteFilter``)
+    route_key: str | None = None  # the key routing pins, when a ``RouteInputs`` refines ``key``
     # -- filled in by the proxy's phases --------------------------------------------------------------
     task: asyncio.Task[None] | None = None
     reason: Reason = Reason.NO_BACKEND
     pinned: str | None = None  # the conversation's pin after the routing phase
     lease: Lease | None = None  # the attempt in progress holds one (released before a retry)
+    attempt: Attempt | None = None  # the attempt in progress (the one answered, once the relay runs)
     upstream: TransportResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
     outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR
     first_byte_at: float | None = None
@@ -73,6 +75,22 @@ class RequestContext:
     def backend(self) -> Backend | None:
         return None if self.lease is None else self.lease.backend
 
+    @property
+    def affinity_key(self) -> str:
+        """The key routing pins and the store counts: ``route_key`` when a module refined it, else ``key``."""
+        return self.key if self.route_key is None else self.route_key
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of the request on one backend: what was sent, and what the modules decided for it."""
+
+    backend: Backend
+    draft: Draft
+    #: The answer's usage when a body filter put it together (a stitched follow-up), for the observers:
+    #: what the relayed bytes say otherwise (gateway/observe.py).
+    usage: Usage | None = None
+
 
 class Draft:
     """The outbound body of one attempt: the original until a step asks to change it.
@@ -82,11 +100,13 @@ class Draft:
     the original, which the next attempt reuses.
     """
 
-    __slots__ = ("_copy", "_original")
+    __slots__ = ("_copy", "_original", "enforced")
 
     def __init__(self, original: dict[str, Any] | None) -> None:
         self._original = original
         self._copy: dict[str, Any] | None = None
+        #: The thinking budget this attempt's engine cannot cap, so the gateway does (gateway/continuation).
+        self.enforced: Thinking | None = None
 
     def read(self) -> dict[str, Any] | None:
         return self._original if self._copy is None else self._copy
@@ -112,23 +132,3 @@ class Draft:
 
 def canonical_json(body: Any) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-class PrepareStep(Protocol):
-    """Shapes one attempt for the backend chosen (thinking budget per dialect, images to embeddings, ...).
-
-    Runs after routing, once per attempt, in the configured order. Raise a ``GatewayError`` to refuse the
-    request for this backend (it is answered as is; no retry).
-    """
-
-    async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None: ...
-
-
-class RouteFilter(Protocol):
-    """Names the backends that cannot serve a request at all (a text-only engine for an image request...).
-
-    Asked once per request before routing; routing then sees those backends as absent, so a pin on one moves
-    and a retry never lands there. Raise a ``GatewayError`` when no backend could ever serve it (a 400).
-    """
-
-    def ineligible(self, ctx: RequestContext) -> frozenset[str]: ...

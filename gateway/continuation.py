@@ -9,47 +9,30 @@ plus the early-stop phrase (which closes the thought) as an assistant prefix,
 begun, phase 2 continues the answer. Whatever phase 2 emits is answer: reasoning-labelled deltas
 are relabelled as content.
 
-The client gets one response or one stream: phase 1's id, reasoning then content, phase 2's finish reason,
-usage with the prompt counted once (phase 1's) and the completion tokens of both phases. A client disconnect
-cancels the proxy's task; ``Proxy._finish`` closes ``ctx.upstream`` (the phase in progress), which stops the
-engine's work.
+A body filter of the one relay (gateway/relay.py's ``Relay``): phase 2 is its follow-up exchange on the same
+lease, so the output guard, the observation tap (tokens, TTFT, learning), first-byte and prefill accounting
+see both phases like any answer. The client gets one response or one stream: phase 1's id, reasoning then
+content, phase 2's finish reason, usage with the prompt counted once (phase 1's, its
+``prompt_tokens_details`` kept) and the completion tokens of both phases.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from starlette.types import Message, Send
+from typing import Any
 
 from backends.dialects import DIALECTS
-from config.settings import Dialect, ThinkingConfig, TimeoutConfig
-from gateway.context import RequestContext, canonical_json
-from gateway.errors import BadRequest, UpstreamError, UpstreamReplyTooLarge, UpstreamTimeout
+from config.settings import Dialect, ThinkingConfig
+from gateway.context import Attempt, RequestContext, canonical_json
+from gateway.errors import BadRequest, UpstreamError, UpstreamReplyTooLarge
 from gateway.metrics import Metrics
-from gateway.outcomes import RequestOutcome
-from gateway.proxy import upstream_headers
+from gateway.observe import Usage
+from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.reasoning import normalise, reasoning_of, write_reasoning
-from gateway.relay import (
-    DONE,
-    MAX_REPLY_BYTES,
-    Expiry,
-    SilenceWatch,
-    body,
-    read_reply,
-    response_head,
-    send_error,
-    sse_error,
-)
-from gateway.sse import EventSplitter, Overflow
-from gateway.transport import TransportResponse, UpstreamTransport, UpstreamTransportError
-
-if TYPE_CHECKING:
-    from gateway.budgets import Thinking
+from gateway.relay import DONE
+from gateway.sse import Event, Overflow, Piece
+from gateway.thinking import Thinking
 
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
 
@@ -100,183 +83,17 @@ class _Phase:
 
 
 class Continuation:
-    def __init__(
-        self, transport: UpstreamTransport, timeouts: TimeoutConfig, cfg: ThinkingConfig, metrics: Metrics
-    ) -> None:
-        self.transport = transport
-        self.timeouts = timeouts
+    """The module: a stitching filter for each attempt with a gateway-enforced budget (``Draft.enforced``)."""
+
+    def __init__(self, cfg: ThinkingConfig, metrics: Metrics) -> None:
         self.cfg = cfg
         self.metrics = metrics
 
-    async def relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        """Answer ``ctx`` from phase 1's response ``upstream`` (and phase 2 if needed).
-
-        Engine silence and the request deadline are timed as on the proxy's own relay (``SilenceWatch``).
-        """
-        assert ctx.body is not None and ctx.task is not None
-        watch = SilenceWatch.for_request(ctx, self.timeouts)
-
-        async def timed_send(message: Message) -> None:
-            watch.sending = True  # a slow client is not a silent engine
-            await send(message)
-            watch.chunk_sent()
-
-        timed = _Timed(upstream, watch)
-        try:
-            if ctx.body.get("stream") is True:
-                await self._stream(ctx, timed, timed_send)
-            else:
-                await self._whole(ctx, timed, timed_send)
-        except asyncio.CancelledError:
-            if watch.fired is None:
-                raise  # the client left, or the server is stopping
-            ctx.task.uncancel()
-            why = "went silent" if watch.fired is Expiry.SILENCE else "did not finish in time"
-            await self._failed(ctx, send, UpstreamTimeout(f"backend {_backend(ctx)} {why}"))
-        except TimeoutError:
-            await self._failed(ctx, send, UpstreamTimeout(f"backend {_backend(ctx)} sent no continuation"))
-        except (UpstreamTransportError, ValueError, KeyError, IndexError, TypeError) as exc:
-            what = f"backend {_backend(ctx)} failed during a budgeted generation: {type(exc).__name__}"
-            await self._failed(ctx, send, UpstreamError(what))
-        except UpstreamError as err:
-            await self._failed(ctx, send, err)
-        finally:
-            watch.cancel()
-
-    # -- non-streamed -------------------------------------------------------------------------------------
-
-    async def _whole(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        assert ctx.body is not None and ctx.thinking is not None
-        first = json.loads(await _read(ctx, upstream))
-        ctx.first_byte_at = ctx.first_byte_at or time.monotonic()
-        choice = first["choices"][0]
-        message = choice["message"]
-        phase = _Phase(reasoning=[reasoning_of(message) or ""], content=[message.get("content") or ""])
-        phase.usage = first.get("usage")
-        if choice.get("finish_reason") != "length" or not continues(ctx.body, ctx.thinking):
-            choice["message"] = normalise(message, self.cfg.reasoning_fields)
-            self._count(ctx, phase, truncated=False)
-            await self._send_json(ctx, upstream, send, first)
-            return
-        second_resp = await self._phase2(ctx, upstream, phase, stream=False)
-        if second_resp.status != 200:
-            await self._send_raw(ctx, second_resp, send, await _read(ctx, second_resp))
-            return
-        second = json.loads(await _read(ctx, second_resp))
-        choice2 = second["choices"][0]
-        answer = (reasoning_of(choice2["message"]) or "") + (choice2["message"].get("content") or "")
-        out_message = dict(message)
-        write_reasoning(out_message, "".join(phase.reasoning) or None, self.cfg.reasoning_fields)
-        out_message["content"] = "".join(phase.content) + answer
-        choice["message"] = out_message
-        choice["finish_reason"] = choice2.get("finish_reason")
-        first["usage"] = _usage(phase.usage, second.get("usage"))
-        self._count(ctx, phase, truncated=True)
-        await self._send_json(ctx, second_resp, send, first)
-
-    async def _send_json(
-        self, ctx: RequestContext, upstream: TransportResponse, send: Send, payload: dict[str, Any]
-    ) -> None:
-        await self._send_raw(ctx, upstream, send, canonical_json(payload))
-
-    async def _send_raw(
-        self, ctx: RequestContext, upstream: TransportResponse, send: Send, data: bytes
-    ) -> None:
-        _, head = response_head(upstream, _backend(ctx), ctx.reason)
-        head["headers"] = [(k, v) for k, v in head["headers"] if k != b"content-length"]
-        head["headers"].append((b"content-length", str(len(data)).encode()))
-        ctx.responded = True
-        await send(head)
-        ctx.finishing = True
-        await send(body(data, more=False))
-        ctx.outcome = RequestOutcome.OK if upstream.status < 400 else RequestOutcome.HTTP_4XX
-        if upstream.status >= 500:
-            ctx.outcome = RequestOutcome.HTTP_5XX
-
-    # -- streamed -----------------------------------------------------------------------------------------
-
-    async def _stream(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        assert ctx.body is not None and ctx.thinking is not None
-        options = ctx.body.get("stream_options")
-        want_usage = isinstance(options, dict) and options.get("include_usage") is True
-        go_on = continues(ctx.body, ctx.thinking)
-        _, head = response_head(upstream, _backend(ctx), ctx.reason)
-        ctx.responded = True
-        await send(head)
-        phase = _Phase()
-        async for chunk in _chunks(ctx, upstream):
-            ctx.first_byte_at = ctx.first_byte_at or time.monotonic()
-            if not phase.envelope:
-                phase.envelope = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
-            if _take_usage(chunk, phase):
-                continue
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
-            _accumulate(phase, delta)
-            phase.finish = choice.get("finish_reason") or phase.finish
-            if phase.finish == "length" and go_on:  # our cut, not the client's: phase 2 goes on with the turn
-                if not delta:
-                    continue
-                choice["finish_reason"] = None
-            choice["delta"] = normalise(delta, self.cfg.reasoning_fields)
-            await _emit(send, chunk)
-        if phase.finish != "length" or not go_on:
-            self._count(ctx, phase, truncated=False)
-            await self._end(ctx, send, phase.usage if want_usage else None, phase.envelope)
-            return
-        second = await self._phase2(ctx, upstream, phase, stream=True)
-        if second.status != 200:
-            raise UpstreamError(f"backend {_backend(ctx)} refused the continuation ({second.status})")
-        tail = _Phase()
-        async for chunk in _chunks(ctx, second):
-            if _take_usage(chunk, tail):
-                continue
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
-            text = (reasoning_of(delta) or "") + (delta.get("content") or "")
-            finish = choice.get("finish_reason")
-            if not text and not finish:
-                continue  # phase 2's role chunk: the client already had one
-            choice["delta"] = {"content": text} if text else {}
-            await _emit(send, {**chunk, **phase.envelope})
-        self._count(ctx, phase, truncated=True)
-        usage = _usage(phase.usage, tail.usage) if want_usage else None
-        await self._end(ctx, send, usage, phase.envelope)
-
-    async def _end(
-        self, ctx: RequestContext, send: Send, usage: dict[str, Any] | None, envelope: dict[str, Any]
-    ) -> None:
-        ctx.finishing = True
-        tail = DONE
-        if usage is not None:
-            tail = b"data: " + canonical_json({**envelope, "choices": [], "usage": usage}) + b"\n\n" + DONE
-        await send(body(tail, more=False))
-        ctx.outcome = RequestOutcome.OK
-
-    # -- phase 2 ------------------------------------------------------------------------------------------
-
-    async def _phase2(
-        self, ctx: RequestContext, first: TransportResponse, phase: _Phase, *, stream: bool
-    ) -> TransportResponse:
-        """Close phase 1 (the engine stops), then send the continuation to the same backend."""
-        assert ctx.body is not None and ctx.lease is not None
-        await first.aclose()
-        ctx.upstream = None
-        backend = ctx.lease.backend
-        phase2 = self.phase2_body(ctx.body, phase, stream=stream, dialect=backend.cfg.dialect)
-        payload = canonical_json(phase2)
-        forward = ctx.client is None or backend.cfg.forward_client_key
-        headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
-        watch = first.watch if isinstance(first, _Timed) else None
-        if watch is not None:
-            watch.sending = True  # waiting for the head is timed by first_byte_s, as on a first attempt
-        async with asyncio.timeout(self.timeouts.first_byte_s):
-            response = await self.transport.request("POST", backend.cfg.url, ctx.path, headers, payload)
-        ctx.upstream = response  # closed by Proxy._finish: a disconnect now stops phase 2
-        if watch is None:
-            return response
-        watch.chunk_sent()
-        return _Timed(response, watch)
+    def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter | None:
+        thinking = attempt.draft.enforced
+        if thinking is None or status != 200 or ctx.body is None:
+            return None
+        return _Stitch(self, ctx.body, thinking, attempt, stream=ctx.body.get("stream") is True)
 
     def phase2_body(
         self, original: dict[str, Any], phase: _Phase, *, stream: bool, dialect: Dialect = Dialect.OPENAI
@@ -301,56 +118,177 @@ class Continuation:
             out["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         return out
 
-    # -- accounting and failure ---------------------------------------------------------------------------
 
-    def _count(self, ctx: RequestContext, phase: _Phase, *, truncated: bool) -> None:
+class _Stitch(BodyFilterBase):
+    """One enforced attempt: phase 1 relayed with our cut hidden, phase 2 (the follow-up) as answer."""
+
+    rewrites = True
+
+    def __init__(
+        self,
+        owner: Continuation,
+        original: dict[str, Any],
+        thinking: Thinking,
+        attempt: Attempt,
+        *,
+        stream: bool,
+    ) -> None:
+        self.owner, self.original, self.attempt, self.stream = owner, original, attempt, stream
+        self.holds = not stream
+        self.go_on = continues(original, thinking)
+        options = original.get("stream_options")
+        self.want_usage = isinstance(options, dict) and options.get("include_usage") is True
+        self.phase, self.tail = _Phase(), _Phase()
+        self.second = self.done = False
+        self.first_doc: dict[str, Any] | None = None  # a non-streamed phase 1, completed by phase 2
+
+    @property
+    def backend(self) -> str:
+        return self.attempt.backend.id
+
+    # -- streamed ---------------------------------------------------------------------------------------
+
+    def events(self, pieces: list[Piece]) -> list[Piece]:
+        out: list[Piece] = []
+        for piece in pieces:
+            if isinstance(piece, Overflow):
+                raise UpstreamReplyTooLarge(f"backend {self.backend} sent an event too large to hold")
+            data = piece.data() if isinstance(piece, Event) else None
+            if data is None or self.done:
+                continue  # a comment, bytes between events, an event never ended, anything after [DONE]
+            if data.strip() == b"[DONE]":
+                self.done = True
+                continue
+            chunk = self._parsed(data)
+            try:
+                emitted = self._phase2_chunk(chunk) if self.second else self._phase1_chunk(chunk)
+            except (KeyError, IndexError, TypeError, AttributeError) as exc:
+                raise self._broken(exc) from None
+            if emitted is not None:
+                out.append(Event(b"data: " + canonical_json(emitted) + b"\n\n"))
+        return out
+
+    def _phase1_chunk(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        phase = self.phase
+        if not phase.envelope:
+            phase.envelope = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+        if _take_usage(chunk, phase):
+            return None
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        _accumulate(phase, delta)
+        phase.finish = choice.get("finish_reason") or phase.finish
+        if (
+            phase.finish == "length" and self.go_on
+        ):  # our cut, not the client's: phase 2 goes on with the turn
+            if not delta:
+                return None
+            choice["finish_reason"] = None
+        choice["delta"] = normalise(delta, self.owner.cfg.reasoning_fields)
+        return chunk
+
+    def _phase2_chunk(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        if _take_usage(chunk, self.tail):
+            return None
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        text = (reasoning_of(delta) or "") + (delta.get("content") or "")
+        finish = choice.get("finish_reason")
+        if not text and not finish:
+            return None  # phase 2's role chunk: the client already had one
+        choice["delta"] = {"content": text} if text else {}
+        return {**chunk, **self.phase.envelope}
+
+    def end(self) -> list[Piece]:
+        if not self.stream:
+            return []
+        truncated = self.second
+        usage = _usage(self.phase.usage, self.tail.usage) if truncated else self.phase.usage
+        self._count(truncated=truncated, usage=usage)
+        if not self.want_usage or usage is None:
+            return [Event(DONE)]
+        doc = {**self.phase.envelope, "choices": [], "usage": usage}
+        return [Event(b"data: " + canonical_json(doc) + b"\n\n"), Event(DONE)]
+
+    # -- non-streamed -----------------------------------------------------------------------------------
+
+    def body(self, data: bytes) -> bytes:
+        if self.second:
+            return self._stitched(self._parsed(data))
+        first = self._parsed(data)
+        try:
+            choice = first["choices"][0]
+            message = choice["message"]
+            self.phase = _Phase(
+                reasoning=[reasoning_of(message) or ""], content=[message.get("content") or ""]
+            )
+            self.phase.usage = first.get("usage")
+            self.phase.finish = choice.get("finish_reason")
+            if self.phase.finish != "length" or not self.go_on:
+                choice["message"] = normalise(message, self.owner.cfg.reasoning_fields)
+                self._count(truncated=False, usage=self.phase.usage)
+                return canonical_json(first)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise self._broken(exc) from None
+        self.first_doc = first
+        return b""  # held: phase 2 completes it
+
+    def _stitched(self, second: dict[str, Any]) -> bytes:
+        first = self.first_doc
+        assert first is not None
+        try:
+            choice, choice2 = first["choices"][0], second["choices"][0]
+            answer = (reasoning_of(choice2["message"]) or "") + (choice2["message"].get("content") or "")
+            out_message = dict(choice["message"])
+            reasoning = "".join(self.phase.reasoning) or None
+            write_reasoning(out_message, reasoning, self.owner.cfg.reasoning_fields)
+            out_message["content"] = "".join(self.phase.content) + answer
+            choice["message"] = out_message
+            choice["finish_reason"] = choice2.get("finish_reason")
+        except (KeyError, IndexError, TypeError) as exc:
+            raise self._broken(exc) from None
+        first["usage"] = _usage(self.phase.usage, second.get("usage"))
+        self._count(truncated=True, usage=first["usage"])
+        return canonical_json(first)
+
+    # -- the follow-up ----------------------------------------------------------------------------------
+
+    def follow_up(self) -> dict[str, Any] | None:
+        if self.second:
+            return None
+        if self.stream and (self.phase.finish != "length" or not self.go_on):
+            return None
+        if not self.stream and self.first_doc is None:
+            return None
+        dialect = self.attempt.backend.cfg.dialect
+        return self.owner.phase2_body(self.original, self.phase, stream=self.stream, dialect=dialect)
+
+    def continued(self) -> None:
+        self.second, self.done = True, False
+
+    # -- accounting -------------------------------------------------------------------------------------
+
+    def _count(self, *, truncated: bool, usage: dict[str, Any] | None) -> None:
+        phase = self.phase
         tokens = (
             phase.completion_tokens() if truncated and not "".join(phase.content) else len(phase.reasoning)
         )
-        self.metrics.thinking(truncated=truncated, reasoning_tokens=tokens)
+        self.owner.metrics.thinking(truncated=truncated, reasoning_tokens=tokens)
+        self.attempt.usage = _as_usage(usage)  # what the observers learn from, asked for or not
 
-    async def _failed(self, ctx: RequestContext, send: Send, err: UpstreamError) -> None:
-        ctx.outcome = RequestOutcome.MID_STREAM_ERROR if ctx.responded else RequestOutcome.UPSTREAM_ERROR
-        ctx.finishing = True
-        if not ctx.responded:
-            ctx.responded = True
-            await send_error(send, err)
-        elif ctx.body is not None and ctx.body.get("stream") is True:
-            await send(sse_error(err))
-        # a non-streamed body whose head is gone: returning unfinished makes the server close the connection
+    def _parsed(self, data: bytes) -> dict[str, Any]:
+        try:
+            doc = json.loads(data)
+        except ValueError as exc:
+            raise self._broken(exc) from None
+        if not isinstance(doc, dict):
+            raise self._broken(TypeError())
+        return doc
 
-
-class _Timed:
-    """A response whose every chunk tells the silence watch the engine is alive."""
-
-    __slots__ = ("inner", "watch")
-
-    def __init__(self, inner: TransportResponse, watch: SilenceWatch) -> None:
-        self.inner = inner
-        self.watch = watch
-
-    @property
-    def status(self) -> int:
-        return self.inner.status
-
-    @property
-    def headers(self) -> Sequence[tuple[bytes, bytes]]:
-        return self.inner.headers
-
-    def header(self, name: bytes) -> bytes | None:
-        return self.inner.header(name)
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        async for chunk in self.inner.aiter_raw():
-            self.watch.chunk_sent()
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-def _backend(ctx: RequestContext) -> str:
-    return "" if ctx.lease is None else ctx.lease.backend.id
+    def _broken(self, exc: Exception) -> UpstreamError:
+        return UpstreamError(
+            f"backend {self.backend} failed during a budgeted generation: {type(exc).__name__}"
+        )
 
 
 def _accumulate(phase: _Phase, delta: dict[str, Any]) -> None:
@@ -376,29 +314,23 @@ def _usage(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[
     completion = int((first or {}).get("completion_tokens", 0)) + int(
         (second or {}).get("completion_tokens", 0)
     )
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    details = (first or {}).get("prompt_tokens_details")
+    if isinstance(details, dict):
+        out["prompt_tokens_details"] = details  # the prompt is phase 1's: so is what of it was cached
+    return out
 
 
-async def _emit(send: Send, chunk: dict[str, Any]) -> None:
-    await send(body(b"data: " + canonical_json(chunk) + b"\n\n", more=True))
-
-
-async def _read(ctx: RequestContext, response: TransportResponse) -> bytes:
-    return await read_reply(response.aiter_raw(), MAX_REPLY_BYTES, _backend(ctx))
-
-
-async def _chunks(ctx: RequestContext, response: TransportResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream, up to ``[DONE]``."""
-    splitter = EventSplitter()
-    async for raw in response.aiter_raw():
-        for piece in splitter.feed(raw):
-            if isinstance(piece, Overflow):
-                raise UpstreamReplyTooLarge(
-                    f"backend {_backend(ctx)} sent an event larger than {splitter.max_event} bytes"
-                )
-            data = piece.data()
-            if data is None:
-                continue  # a comment, or bytes between events
-            if data.strip() == b"[DONE]":
-                return
-            yield json.loads(data)
+def _as_usage(usage: dict[str, Any] | None) -> Usage | None:
+    if usage is None:
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached if isinstance(cached, int) else None)

@@ -18,8 +18,16 @@ is missed: rare, and only a count).
 
 from __future__ import annotations
 
-from config.settings import GuardConfig
-from gateway.sse import Event, EventSplitter
+import logging
+
+from config.settings import GuardAction, GuardConfig
+from gateway.context import Attempt, RequestContext
+from gateway.errors import UpstreamError
+from gateway.metrics import Metrics
+from gateway.phases import BodyFilter, BodyFilterBase
+from gateway.sse import Event, EventSplitter, Piece
+
+log = logging.getLogger("warmroute.proxy")
 
 _FINISH = b'"finish_reason":'
 _MAX_EVENT = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
@@ -42,7 +50,7 @@ class StreamGuard:
         self._needed = [p * (cfg.repeat_count - 1) for p in range(cfg.max_period + 1)]
         self._runs = [0] * (cfg.max_period + 1)
         self._history: list[bytes] = []
-        self._events = EventSplitter(_MAX_EVENT)
+        self._events: EventSplitter | None = None  # only for ``feed``: the relay hands ``inspect`` events
         self.sse = sse
         self.finish: list[str] = []  # finish_reason values seen (bounded labels)
         self.tripped: bytes | None = None  # the repeated unit, once tripped
@@ -52,7 +60,14 @@ class StreamGuard:
         if not self.sse:
             self._finish_reasons(chunk, len(chunk))
             return False
-        events = [piece.raw for piece in self._events.feed(chunk) if isinstance(piece, Event)]
+        if self._events is None:
+            self._events = EventSplitter(_MAX_EVENT)
+        return self.inspect(self._events.feed(chunk))
+
+    def inspect(self, pieces: list[Piece]) -> bool:
+        """Inspect the whole events among ``pieces`` (larger ones than 64 KiB are not looked at); True when
+        they made the stream trip."""
+        events = [p.raw for p in pieces if isinstance(p, Event) and len(p.raw) <= _MAX_EVENT]
         if not events:
             return False
         data = events[0] if len(events) == 1 else b"".join(events)
@@ -143,3 +158,58 @@ def _string_at(data: bytes, pos: int, end: int) -> tuple[int, int] | None:
             break  # ``\\"``: an escaped backslash, then the closing quote
         stop = data.find(b'"', stop + 1, end)
     return None if stop < 0 else (start, stop)
+
+
+class OutputGuard:
+    """The guard as a module: a ``StreamGuard`` per attempt, fed the relay's events; counts finish reasons
+    and trips (``guard.action``: end the stream, or only record it)."""
+
+    def __init__(self, cfg: GuardConfig, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+
+    def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter:
+        guard = StreamGuard(self.cfg, completions=ctx.path.startswith("/v1/completions"), sse=sse)
+        return _GuardFilter(self, guard, attempt.backend.id)
+
+
+class _GuardFilter(BodyFilterBase):
+    __slots__ = ("backend", "guard", "owner")
+
+    def __init__(self, owner: OutputGuard, guard: StreamGuard, backend: str) -> None:
+        self.owner, self.guard, self.backend = owner, guard, backend
+
+    def events(self, pieces: list[Piece]) -> list[Piece]:
+        if self.guard.inspect(pieces) and self._tripped():
+            # The tripping event is not sent; the engine answered, so this is no breaker failure.
+            raise UpstreamError(
+                f"backend {self.backend} output degenerated: {self.guard.unit()!r} repeated; stream ended"
+            )
+        return pieces
+
+    def body(self, data: bytes) -> bytes:
+        self.guard.feed(data)
+        return data
+
+    def continued(self) -> None:
+        # A follow-up exchange continues the answer: the "length" that ended the first one was the gateway's
+        # cut, not the answer's. The repetition history stays: a loop across both is still one loop.
+        self.guard.finish.clear()
+
+    def close(self) -> None:
+        if self.guard.finish:
+            self.owner.metrics.finished(self.backend, self.guard.finish)
+
+    def _tripped(self) -> bool:
+        """Count and log a degenerate stream; True when the configured action ends it here."""
+        cfg, guard = self.owner.cfg, self.guard
+        action = cfg.action if guard.sse else GuardAction.RECORD
+        self.owner.metrics.guard_tripped(self.backend, action.value)
+        log.warning(
+            "backend %s: output guard tripped (%r %d times in a row): %s",
+            self.backend,
+            guard.unit(),
+            cfg.repeat_count,
+            action,
+        )
+        return action is GuardAction.END

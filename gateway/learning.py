@@ -68,7 +68,8 @@ class RoutingFeedback:
     # -- before routing -------------------------------------------------------------------------------
 
     def plan(self, ctx: RequestContext) -> None:
-        """Shape the request and, on turns >= 2 of a chat without a session id, extend its key."""
+        """Shape the request and, on turns >= 2 of a chat without a session id, extend the key it is routed
+        under (``ctx.route_key``; the endpoint's ``ctx.key`` stays as it was)."""
         messages = ctx.body.get("messages") if ctx.body is not None else None
         if not isinstance(messages, list):
             # /v1/completions (or a body we do not read): no replies to tell apart, so the pin is the
@@ -81,7 +82,7 @@ class RoutingFeedback:
         if shape.turn > 1 and not self._has_session(ctx):
             reply = first_reply(messages)
             if reply is not None:
-                ctx.key = reply_key(ctx.key, reply)
+                ctx.route_key = reply_key(ctx.key, reply)
         ctx.route = info
 
     def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
@@ -99,9 +100,9 @@ class RoutingFeedback:
             # The backend that produced this first reply; else (a client that does not resend replies as
             # they were, an unobserved reply) the one that served this head's latest first turn here.
             now = self.clock()
-            hint = self.replies.get(ctx.key, now) or self.heads.get(info.head_key, now)
+            hint = self.replies.get(ctx.affinity_key, now) or self.heads.get(info.head_key, now)
         return RouteRequest(
-            ctx.key,
+            ctx.affinity_key,
             pinned,
             exclude,
             prompt_tokens=int(info.prompt_chars / cpt),
@@ -122,7 +123,8 @@ class RoutingFeedback:
     ) -> Decision:
         """The decision ``ctx`` would get now, with every candidate's costs (the admin "why" dry run).
 
-        No side effects but ``plan``'s on ``ctx`` (its key and shape): nothing is claimed, queued or learned.
+        No side effects but ``plan``'s on ``ctx`` (its route key and shape): nothing is claimed, queued or
+        learned.
         """
         if ctx.route is None:
             self.plan(ctx)
@@ -147,7 +149,7 @@ class RoutingFeedback:
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
         backend = lease.backend.id
         now = self.clock()
-        self.active.discard(ctx.key)  # in flight now: counted by the lease until it finishes
+        self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
         self.holders.add(info.head_key, backend)
         if info.first_turn:
             self.heads.move(info.head_key, backend, now)

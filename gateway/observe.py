@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.outcomes import RequestOutcome
-from gateway.sse import Event, EventSplitter
+from gateway.sse import Event, EventSplitter, Piece
 from routing.keys import REPLY_CHARS, reply_text
 from routing.types import Reason
 
@@ -118,6 +118,21 @@ class ResponseTap:
         if self._seeking:
             self._seek(chunk)
 
+    def take(self, pieces: list[Piece]) -> None:
+        """What the relay sends, as the relay's own splitter cut it into events (no splitter of its own)."""
+        chunk = pieces[0].raw if len(pieces) == 1 else b"".join(p.raw for p in pieces)
+        self.body_bytes += len(chunk)
+        self.events += chunk.count(b"data: ")
+        tail = self._tail + chunk
+        self._tail = tail[-_TAIL_BYTES:] if len(tail) > _TAIL_BYTES else tail
+        if self._seeking:
+            if self._plain is None:
+                self._plain = False
+            for piece in pieces:
+                if isinstance(piece, Event) and len(piece.raw) <= _REPLY_EVENT_BYTES:
+                    self._look_into(piece)
+            self._seen_enough()
+
     def usage(self) -> Usage | None:
         return parse_usage(self._tail)
 
@@ -142,10 +157,17 @@ class ResponseTap:
         if self._events is None:
             self._events = EventSplitter(_REPLY_EVENT_BYTES)
         for event in self._events.feed(chunk):
-            if isinstance(event, Event) and (_CONTENT in event.raw or _ARGUMENTS in event.raw):
-                for line in event.lines():
-                    if _CONTENT in line or _ARGUMENTS in line:
-                        self._take(line)
+            if isinstance(event, Event):
+                self._look_into(event)
+        self._seen_enough()
+
+    def _look_into(self, event: Event) -> None:
+        if _CONTENT in event.raw or _ARGUMENTS in event.raw:
+            for line in event.lines():
+                if _CONTENT in line or _ARGUMENTS in line:
+                    self._take(line)
+
+    def _seen_enough(self) -> None:
         if len(self._content) >= REPLY_CHARS or self.events > _REPLY_EVENTS:
             self._seeking = False
             self._events = None

@@ -1,10 +1,15 @@
 """The hot path, as named phases around one ``RequestContext``:
 
-    route -> (prepare -> send) per attempt, at most two -> relay -> finish
+    admission -> route -> (prepare -> send) per attempt, at most two -> relay -> finish
 
-- route: a snapshot of the candidates, the pure policy's ``Decision``, the pin committed to the store;
-- prepare: the configured ``PrepareStep``s shape a ``Draft`` for the chosen backend (per attempt, from the
-  original body; untouched bodies go upstream as the client's own bytes);
+Features take part as modules (gateway/phases.py): one ordered tuple given to the constructor, sorted by
+phase once; nothing is attached afterwards (``__slots__``).
+
+- admission: the modules' ``Admission`` (a request for an on-demand engine waits for it);
+- route: the route filters' ineligible backends, the route inputs' plan (or a snapshot of the candidates),
+  the pure policy's ``Decision``, the pin committed to the store under ``ctx.affinity_key``;
+- prepare: the ``PrepareStep`` modules shape the attempt's ``Draft`` for the chosen backend (per attempt, from
+  the original body; untouched bodies go upstream as the client's own bytes);
 - send: one upstream attempt, transport errors mapped here and nowhere else. A connect error, timeout or 5xx
   *before the first byte* is retried once on the next choice, unseen by the client;
 - admission: a chosen backend must ``admit`` the request (its circuit breaker: when half-open only one
@@ -12,11 +17,11 @@
   error, timeout, broken before or during the answer: failure; any other answer, 4xx included: success);
   a 5xx answer is judged with the request's other attempt (gateway/blame.py), so that a request every
   engine fails is held against none of them;
-- relay: the response streamed through unbuffered, each chunk shown to the output guard first; a failure
-  *after* bytes were sent ends an SSE stream with an error event and ``[DONE]``, never a hang. Engine
-  silence is timed, the client's reading is not;
-- finish: the upstream response closed (that cancels the engine's work), the lease released, the request
-  counted: in one ``finally``, whatever happened. A client disconnect at any point cancels the request.
+- relay: gateway/exchange.py's ``Relay``, the one relay: the response through the attempt's body filters,
+  a follow-up exchange on the same lease where a filter asks for one;
+- finish: the upstream response closed (that cancels the engine's work), the request counted, the
+  observers told, the lease released: in one ``finally``, whatever happened. A client disconnect at any point
+  cancels the request.
 
 Pure ASGI: no Request/Response objects, no BaseHTTPMiddleware.
 """
@@ -27,50 +32,43 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from starlette.types import Message, Receive, Send
+from starlette.types import Receive, Send
 
 from backends.registry import Registry
-from config.settings import GuardAction, GuardConfig, TimeoutConfig
+from config.settings import TimeoutConfig
 from gateway.blame import OutcomeFeed, settle
-from gateway.context import Draft, PrepareStep, RequestContext, RouteFilter
+from gateway.context import Attempt, Draft, RequestContext
 from gateway.errors import (
-    EngineFailed,
     GatewayError,
     ModelNotFound,
     NoHealthyBackend,
     UpstreamBusy,
     UpstreamError,
-    UpstreamReplyTooLarge,
     UpstreamTimeout,
 )
-from gateway.guard import StreamGuard
+from gateway.exchange import Relay, RelayLimits, outcome_of
 from gateway.metrics import Metrics
-from gateway.not_found import relay_404
-from gateway.observe import Observation, Observer, ResponseTap
+from gateway.observe import Observation
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
-from gateway.relay import Expiry, Rewrite, SilenceWatch, body, response_head, send_error, sse_error
+from gateway.phases import Phases, Release
+from gateway.relay import send_error, upstream_headers
 from gateway.state import AffinityStore, StoreView
 from gateway.transport import (
     TransportResponse,
     UpstreamConnectError,
     UpstreamPoolTimeout,
-    UpstreamReadError,
     UpstreamTransport,
     UpstreamTransportError,
 )
-from routing.types import BackendState, Decision, PinAction, RouteRequest
+from routing.types import BackendState, Candidate, Decision, PinAction, RouteRequest
 
-if TYPE_CHECKING:
-    from gateway.continuation import Continuation
-    from gateway.learning import RoutingFeedback
-    from gateway.reasoning import ReasoningRelay
-    from gateway.waiting import WaitingRoom
+__all__ = ["AdmitAll", "Proxy", "RequestFeed", "upstream_headers"]
 
 log = logging.getLogger("warmroute.proxy")
 
-Attempt = TransportResponse | UpstreamError
+Sent = TransportResponse | UpstreamError
 
 
 class RequestFeed(OutcomeFeed, Protocol):
@@ -101,6 +99,17 @@ class AdmitAll:
 
 
 class Proxy:
+    __slots__ = (
+        "feed",
+        "metrics",
+        "phases",
+        "registry",
+        "relay",
+        "store",
+        "timeouts",
+        "transport",
+    )
+
     def __init__(
         self,
         timeouts: TimeoutConfig,
@@ -109,49 +118,47 @@ class Proxy:
         feed: RequestFeed,
         metrics: Metrics,
         transport: UpstreamTransport,
-        steps: Sequence[PrepareStep] = (),
-        guard: GuardConfig | None = None,
-        observers: Sequence[Observer] = (),
+        modules: Sequence[object] = (),
+        *,
         hide_engine_errors: bool = False,
+        limits: RelayLimits | None = None,
     ) -> None:
-        self.hide_engine_errors = hide_engine_errors  # an engine's 5xx body stays here (internal names)
         self.registry = registry
         self.store = store
         self.feed = feed
-        self.guard = guard if guard is not None and guard.enabled else None
         self.metrics = metrics
         self.timeouts = timeouts
         self.transport = transport
-        self.steps = tuple(steps)
-        self.filters: tuple[RouteFilter, ...] = ()  # backends a request cannot use (gateway/vision.py)
-        self.observers = tuple(observers)  # told what each answered request looked like, in finish
-        self.continuation: Continuation | None = None  # gateway-enforced thinking budgets (set by the app)
-        self.reasoning: ReasoningRelay | None = None  # reasoning in the client's field(s); set by the app
-        self.waiting: WaitingRoom | None = None  # requests for on-demand engines wait here; set by the app
-        self.feedback: RoutingFeedback | None = None  # the ttft policy's inputs and learning; set by the app
+        self.phases = phases = Phases.of(modules)  # per phase, in module order: sorted once, here
+        self.relay = Relay(
+            timeouts,
+            transport,
+            feed,
+            phases.body_filters,
+            tap=bool(phases.observers),
+            hide_engine_errors=hide_engine_errors,
+            limits=limits,
+        )
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
         ctx.task = task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
-        claim = None  # an on-demand engine's: it is not stopped before this request is finished
+        claims: list[Release] = []  # admission's: an on-demand engine is not stopped before this finishes
         try:
             try:
-                if self.waiting is not None:  # gateway/waiting.py: wait for an on-demand engine to start
-                    send = self.waiting.wrap(ctx, send)
-                    claim = await self.waiting.enter(ctx, send)
+                for admission in self.phases.admission:
+                    send = admission.wrap(ctx, send)
+                    claim = await admission.enter(ctx, send)
+                    if claim is not None:
+                        claims.append(claim)
                 upstream = await self._open(ctx)
             except GatewayError as err:
-                ctx.outcome = _outcome_of(err)
+                ctx.outcome = outcome_of(err)
                 ctx.finishing = ctx.responded = True
                 await send_error(send, err)
                 return
-            thinking = ctx.thinking
-            if thinking is not None and thinking.gateway_enforced and upstream.status == 200:
-                assert self.continuation is not None  # two phases, one response: gateway/continuation.py
-                await self.continuation.relay(ctx, upstream, send)
-                return
-            await self._relay(ctx, upstream, send)
+            await self.relay.answer(ctx, upstream, send)
         except asyncio.CancelledError:
             if not ctx.client_gone:
                 raise
@@ -167,12 +174,12 @@ class Proxy:
         finally:
             watcher.cancel()
             await self._finish(ctx)
-            if claim is not None:
+            for claim in claims:
                 claim.release()
 
     async def reject(self, send: Send, err: GatewayError) -> None:
         """Answer a request refused before routing (bad input) and count it."""
-        self.metrics.request(NO_BACKEND_LABEL, _outcome_of(err), 0.0, None)
+        self.metrics.request(NO_BACKEND_LABEL, outcome_of(err), 0.0, None)
         await send_error(send, err)
 
     # -- route ----------------------------------------------------------------------------------------
@@ -184,11 +191,11 @@ class Proxy:
             raise ModelNotFound(
                 f"model {ctx.model!r} is not served here; available: {available}", param="model"
             )
-        for rule in self.filters:
+        for rule in self.phases.route_filters:
             ctx.ineligible |= rule.ineligible(ctx)
-        if self.feedback is not None:
-            self.feedback.plan(ctx)  # may extend ctx.key (turns >= 2 of identical heads told apart)
-        view = await self.store.view(ctx.key if ctx.policy.uses_affinity else None)
+        if self.phases.route_inputs is not None:
+            self.phases.route_inputs.plan(ctx)  # may set ctx.route_key (identical heads told apart)
+        view = await self.store.view(ctx.affinity_key if ctx.policy.uses_affinity else None)
         ctx.pinned = view.pinned
         backend, refused = await self._choose(ctx, view, frozenset())
         if backend is None:
@@ -224,26 +231,27 @@ class Proxy:
             exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
 
     def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
-        feedback = self.feedback if ctx.route is not None else None  # the ttft policy: gateway/learning.py
-        if feedback is None:
-            conversations, request = view.conversations, RouteRequest(ctx.key, ctx.pinned, exclude)
+        inputs = self.phases.route_inputs if ctx.route is not None else None  # ttft: gateway/learning.py
+        if inputs is None:
+            conversations = view.conversations
+            request = RouteRequest(ctx.affinity_key, ctx.pinned, exclude)
         else:
-            conversations, request = feedback.conversations(), feedback.request(ctx, ctx.pinned, exclude)
+            conversations, request = inputs.conversations(), inputs.request(ctx, ctx.pinned, exclude)
         now = time.monotonic()
         candidates = self.registry.candidates(ctx.model, conversations, view.in_flight, now)
         if ctx.ineligible:  # absent, not excluded: a policy treats an exclusion as a retry
             candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
         decision = ctx.policy.select(candidates, request, now)
-        if feedback is not None and ctx.route is not None:
+        if inputs is not None and ctx.route is not None:
             ctx.route.uncached_tokens = decision.uncached_tokens
-            return feedback.settle(ctx, ctx.pinned, decision)
+            return inputs.settle(ctx, ctx.pinned, decision)
         return decision
 
     async def _commit(self, ctx: RequestContext, decision: Decision) -> str:
         assert decision.backend is not None
         backend = decision.backend
         if decision.pin is not PinAction.NONE:
-            winner = await self.store.commit(ctx.key, decision)
+            winner = await self.store.commit(ctx.affinity_key, decision)
             ctx.pinned = winner
             if winner != backend and self._routable(winner):
                 backend = winner  # another replica claimed this conversation first
@@ -253,17 +261,18 @@ class Proxy:
 
     # -- prepare and send -----------------------------------------------------------------------------
 
-    async def _attempt(self, ctx: RequestContext, backend_id: str) -> Attempt:
+    async def _attempt(self, ctx: RequestContext, backend_id: str) -> Sent:
         backend = self.registry.backends[backend_id]
         ctx.lease = self.registry.lease(backend_id)
-        if self.feedback is not None and ctx.route is not None:
-            self.feedback.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
+        inputs = self.phases.route_inputs
+        if inputs is not None and ctx.route is not None:
+            inputs.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
+        ctx.attempt = attempt = Attempt(backend, Draft(ctx.body))
         payload = ctx.raw
         if ctx.body is not None:  # only bodies an endpoint owns are shaped; passthrough bodies go as they are
-            draft = Draft(ctx.body)
-            for step in self.steps:
-                await step.prepare(ctx, backend, draft)
-            payload = draft.payload(ctx.raw)
+            for step in self.phases.prepare:
+                await step.prepare(ctx, backend, attempt.draft)
+            payload = attempt.draft.payload(ctx.raw)
         forward = ctx.client is None or backend.cfg.forward_client_key  # a gateway client key stays here
         headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
         budget = min(self.timeouts.first_byte_s, ctx.remaining(self.timeouts.request_s))
@@ -302,130 +311,13 @@ class Proxy:
         self.metrics.attempt(backend, outcome)
         return error(f"backend {backend} {what}")
 
-    async def _abandon(self, ctx: RequestContext, result: Attempt) -> None:
+    async def _abandon(self, ctx: RequestContext, result: Sent) -> None:
         """Drop a failed first attempt before the retry: close its response, give its lease back."""
         if not isinstance(result, UpstreamError):
             await result.aclose()
         ctx.upstream = None
         if ctx.lease is not None:
             ctx.lease.release()
-
-    # -- relay ----------------------------------------------------------------------------------------
-
-    async def _relay(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        assert ctx.lease is not None
-        if self.hide_engine_errors and upstream.status >= 500:
-            await self._withhold(ctx, upstream, send)
-            return
-        if upstream.status == 404 and ctx.body is None:  # a forwarded route the engine does not serve
-            await relay_404(ctx, upstream, send, self.timeouts.read_s)
-            ctx.outcome = RequestOutcome.HTTP_4XX
-            return
-        sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
-        if self.observers:
-            ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn)
-        error = await self._pump(ctx, upstream, sse, head, send)
-        if error is None:
-            ctx.outcome = _answered(upstream.status)
-            ctx.finishing = True
-            await send(body(b"", more=False))
-            return
-        if not ctx.responded:  # a body read whole was refused before its head went: a proper error response
-            ctx.outcome = _outcome_of(error)
-            ctx.finishing = ctx.responded = True
-            await send_error(send, error)
-            return
-        ctx.outcome = RequestOutcome.MID_STREAM_ERROR
-        if sse:
-            ctx.finishing = True
-            await send(sse_error(error))
-        else:
-            # A non-streamed body's status line is gone: returning without finishing makes the server close
-            # the connection, which is the only honest signal left.
-            log.warning("%s; closing the client connection", error.message)
-
-    async def _withhold(self, ctx: RequestContext, upstream: TransportResponse, send: Send) -> None:
-        """An engine 5xx answered generically; its body is never read (``_finish`` closes it)."""
-        assert ctx.lease is not None
-        backend = ctx.lease.backend.id
-        log.warning("backend %s answered %d; its body is withheld from the client", backend, upstream.status)
-        ctx.outcome = RequestOutcome.HTTP_5XX
-        ctx.finishing = ctx.responded = True
-        await send_error(send, EngineFailed(backend, upstream.status, upstream.header(b"retry-after")))
-
-    async def _pump(
-        self, ctx: RequestContext, upstream: TransportResponse, sse: bool, head: Message, send: Send
-    ) -> UpstreamError | None:
-        """Send the head and stream the body through; None when it ended properly, else why it ended early.
-
-        Engine silence is timed on the bytes the engine sends (``read_s``), whatever a body filter holds
-        back; the client's reading is not timed; ``request_s`` bounds the whole.
-        """
-        assert ctx.lease is not None and ctx.task is not None
-        backend = ctx.lease.backend.id
-        guard, tap = self._guard_for(ctx, sse), ctx.tap
-        watch = SilenceWatch.for_request(ctx, self.timeouts)
-        relayed = Rewrite(head, watch.heard(upstream.aiter_raw()))
-        try:
-            if self.reasoning is not None and upstream.status == 200:  # gateway/reasoning.py
-                relayed = self.reasoning.wrap(ctx, sse, head, relayed.chunks)
-            if not relayed.whole:
-                await _send_head(ctx, send, relayed.head, watch)
-            async for chunk in relayed.chunks:
-                if ctx.first_byte_at is None:
-                    ctx.first_byte_at = time.monotonic()
-                    ctx.lease.first_byte()  # its prefill is no longer queued on the engine
-                if tap is not None:
-                    tap.feed(chunk)
-                if guard is not None and guard.feed(chunk) and self._tripped(backend, guard):
-                    # The guard's action is to end it (the tripping chunk is not sent); the engine answered,
-                    # so this is no breaker failure.
-                    return UpstreamError(
-                        f"backend {backend} output degenerated: {guard.unit()!r} repeated; stream ended"
-                    )
-                if not ctx.responded:
-                    await _send_head(ctx, send, relayed.head, watch)
-                watch.sending = True
-                await send(body(chunk, more=True))
-                watch.chunk_sent()
-        except asyncio.CancelledError:
-            if watch.fired is None:
-                raise  # the client left, or the server is stopping
-            ctx.task.uncancel()
-            failure: str = f"sent nothing for {self.timeouts.read_s:g}s"
-            if watch.fired is Expiry.DEADLINE:
-                failure = f"did not finish within request_s={self.timeouts.request_s:g}s"
-            error: UpstreamError = UpstreamTimeout(f"backend {backend} {failure}")
-        except UpstreamReplyTooLarge as exc:
-            log.warning("%s", exc.message)
-            return exc  # the engine answered: too large to rewrite is no failure of its health
-        except UpstreamReadError as exc:
-            log.warning("backend %s broke mid-response: %s", backend, exc)
-            error = UpstreamError(f"backend {backend} failed mid-stream (the connection broke)")
-        else:
-            return None
-        finally:
-            watch.cancel()
-            if guard is not None and guard.finish:
-                self.metrics.finished(backend, guard.finish)
-        self.feed.outcome(backend, False)  # the engine broke or went silent mid-answer
-        return error
-
-    def _guard_for(self, ctx: RequestContext, sse: bool) -> StreamGuard | None:
-        if self.guard is None:
-            return None
-        return StreamGuard(self.guard, completions=ctx.path.startswith("/v1/completions"), sse=sse)
-
-    def _tripped(self, backend: str, guard: StreamGuard) -> bool:
-        """A degenerate stream: count and log it; True when the configured action ends it here."""
-        assert self.guard is not None
-        action = self.guard.action if guard.sse else GuardAction.RECORD
-        self.metrics.guard_tripped(backend, action.value)
-        n = self.guard.repeat_count
-        log.warning(
-            "backend %s: output guard tripped (%r %d times in a row): %s", backend, guard.unit(), n, action
-        )
-        return action is GuardAction.END
 
     # -- finish ---------------------------------------------------------------------------------------
 
@@ -439,16 +331,19 @@ class Proxy:
             NO_BACKEND_LABEL if lease is None else lease.backend.id, ctx.outcome, duration, first_byte
         )
         if lease is not None:
-            if self.observers:
+            if self.phases.observers:
                 self._observe(ctx, lease.backend.id, duration, first_byte)
             lease.release()  # last: once in-flight reads zero, the request is fully accounted for
 
     def _observe(self, ctx: RequestContext, backend: str, duration: float, first_byte: float | None) -> None:
         tap, upstream = ctx.tap, ctx.upstream
+        usage = None if ctx.attempt is None else ctx.attempt.usage  # a follow-up's, put together
+        if usage is None and tap is not None:
+            usage = tap.usage()
         obs = Observation(
             backend=backend,
             model=ctx.model,
-            key=ctx.key,
+            key=ctx.affinity_key,
             reason=ctx.reason,
             outcome=ctx.outcome,
             status=0 if upstream is None else upstream.status,
@@ -457,11 +352,11 @@ class Proxy:
             first_byte_s=first_byte,
             events=0 if tap is None else tap.events,
             body_bytes=0 if tap is None else tap.body_bytes,
-            usage=None if tap is None else tap.usage(),
+            usage=usage,
             route=ctx.route,
             reply=None if tap is None else tap.reply(),
         )
-        for observer in self.observers:
+        for observer in self.phases.observers:
             try:
                 observer.observe(obs)
             except Exception:  # an observer's defect must not break the request's accounting
@@ -480,32 +375,9 @@ class Proxy:
         return f"no healthy backend for {what} ({states or 'none configured'})"
 
 
-def _status(attempt: Attempt) -> int | None:
+def _status(attempt: Sent) -> int | None:
     """An attempt's answer (None: it failed without one)."""
     return None if isinstance(attempt, UpstreamError) else attempt.status
-
-
-def _answered(status: int) -> RequestOutcome:
-    if status < 400:
-        return RequestOutcome.OK
-    return RequestOutcome.HTTP_4XX if status < 500 else RequestOutcome.HTTP_5XX
-
-
-def _outcome_of(err: GatewayError) -> RequestOutcome:
-    if isinstance(err, UpstreamTimeout):
-        return RequestOutcome.UPSTREAM_TIMEOUT
-    if isinstance(err, UpstreamError):
-        return RequestOutcome.UPSTREAM_ERROR
-    if isinstance(err, NoHealthyBackend):
-        return RequestOutcome.NO_BACKEND
-    return RequestOutcome.REJECTED
-
-
-async def _send_head(ctx: RequestContext, send: Send, head: Message, watch: SilenceWatch) -> None:
-    ctx.responded = True
-    watch.sending = True  # a client slow to take it is not a silent engine
-    await send(head)
-    watch.chunk_sent()
 
 
 async def _watch_disconnect(receive: Receive, ctx: RequestContext) -> None:
@@ -516,30 +388,3 @@ async def _watch_disconnect(receive: Receive, ctx: RequestContext) -> None:
                 ctx.client_gone = True
                 ctx.task.cancel()
             return
-
-
-def upstream_headers(
-    client: Sequence[tuple[bytes, bytes]], api_key: str | None, forward_auth: bool = True
-) -> list[tuple[bytes, bytes]]:
-    """What the engine gets: our framing, the client's accept and request id, and the right credentials
-    (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway)."""
-    accept = request_id = auth = None
-    for name, value in client:
-        if name == b"accept":
-            accept = accept or value
-        elif name == b"x-request-id":
-            request_id = request_id or value
-        elif name == b"authorization" and forward_auth:
-            auth = auth or value
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"accept", accept or b"*/*"),
-        (b"accept-encoding", b"identity"),
-    ]
-    if api_key:
-        auth = f"Bearer {api_key}".encode()
-    if auth:
-        headers.append((b"authorization", auth))
-    if request_id:
-        headers.append((b"x-request-id", request_id))
-    return headers

@@ -1,14 +1,13 @@
-"""The relay phase's parts: which response headers reach the client, the watch on engine silence, and
-what a body filter hands back.
+"""The relay phase's parts: the headers an engine gets and those that reach the client, the watch on engine
+silence, the bounded read of a non-streamed reply, error messages.
 
-The body itself is pumped by ``Proxy._relay``; what is here has no state beyond one response.
+The body itself is pumped by gateway/exchange.py's ``Relay``; what is here has no state beyond one response.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from enum import StrEnum
 
 from starlette.types import Message, Send
@@ -44,19 +43,6 @@ def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> 
     headers.append((b"x-warmroute-backend", backend.encode()))
     headers.append((b"x-warmroute-route", reason.value.encode()))
     return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
-
-
-@dataclass(frozen=True, slots=True)
-class Rewrite:
-    """What a body filter makes of a response: the head and body to relay.
-
-    ``whole``: the body comes as one chunk once the engine's is read, and the head waits for it, so a
-    refusal on the way (``UpstreamReplyTooLarge``) is still a proper error response.
-    """
-
-    head: Message
-    chunks: AsyncIterator[bytes]
-    whole: bool = False
 
 
 async def read_reply(chunks: AsyncIterator[bytes], limit: int, backend: str) -> bytes:
@@ -163,3 +149,30 @@ async def send_error(send: Send, err: GatewayError) -> None:
         }
     )
     await send(body(payload, more=False))
+
+
+def upstream_headers(
+    client: Sequence[tuple[bytes, bytes]], api_key: str | None, forward_auth: bool = True
+) -> list[tuple[bytes, bytes]]:
+    """What the engine gets: our framing, the client's accept and request id, and the right credentials
+    (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway)."""
+    accept = request_id = auth = None
+    for name, value in client:
+        if name == b"accept":
+            accept = accept or value
+        elif name == b"x-request-id":
+            request_id = request_id or value
+        elif name == b"authorization" and forward_auth:
+            auth = auth or value
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"accept", accept or b"*/*"),
+        (b"accept-encoding", b"identity"),
+    ]
+    if api_key:
+        auth = f"Bearer {api_key}".encode()
+    if auth:
+        headers.append((b"authorization", auth))
+    if request_id:
+        headers.append((b"x-request-id", request_id))
+    return headers

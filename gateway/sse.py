@@ -64,7 +64,14 @@ class Overflow:
     raw: bytes
 
 
-Piece = Event | Overflow
+@dataclass(slots=True)
+class Unended:
+    """The bytes of an event the stream never ended (what ``close()`` hands back), as they arrived."""
+
+    raw: bytes
+
+
+Piece = Event | Overflow | Unended
 
 
 class EventSplitter:

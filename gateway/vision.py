@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from backends.dialects import DIALECTS, EmbedsFormat
@@ -28,29 +27,11 @@ from backends.registry import Backend, Registry
 from config.settings import BackendConfig, VisionMode
 from gateway.context import Draft, RequestContext
 from gateway.errors import BadRequest, GatewayError, UpstreamError
+from gateway.images import ImagePart, VisionMemo
 from gateway.inbound import check_text
 from gateway.sidecar import Encoding, ImageRejected, SidecarClient, SidecarHost, VisionUnavailable
 
 EMPTY: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class ImagePart:
-    message: int  # index in ``messages``
-    part: int  # index in that message's ``content`` list
-    url: str  # http(s) URL or data: URI, as the client sent it
-
-    @property
-    def param(self) -> str:
-        return f"messages[{self.message}].content[{self.part}].image_url"
-
-
-@dataclass(slots=True)
-class VisionMemo:
-    """What one request holds (found once) and what the sidecar made of it (kept across attempts)."""
-
-    images: tuple[ImagePart, ...]
-    encodings: dict[str, Encoding] = field(default_factory=dict)
 
 
 def find_images(body: dict[str, Any] | None) -> tuple[ImagePart, ...]:

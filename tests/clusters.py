@@ -60,10 +60,13 @@ ClusterFactory = Callable[..., Cluster]
 
 
 @contextlib.asynccontextmanager
-async def served_gateway(settings: Settings, within_s: float) -> AsyncIterator[tuple[str, Gateway]]:
+async def served_gateway(
+    settings: Settings, within_s: float, modules: tuple[object, ...] = ()
+) -> AsyncIterator[tuple[str, Gateway]]:
     """A gateway under uvicorn on the test's own event loop (so the test can watch its controllers); yields
-    its URL and the ``Gateway``. ``within_s`` bounds the start-up (managed engines' canaries included)."""
-    app = create_app(settings)
+    its URL and the ``Gateway``. ``within_s`` bounds the start-up (managed engines' canaries included);
+    ``modules``: further request-path modules (gateway/phases.py)."""
+    app = create_app(settings, modules=modules)
     gw: Gateway = app.state.gateway
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())

@@ -72,6 +72,7 @@ def cluster() -> Iterator[ClusterFactory]:
     def make(
         names: list[str] | None = None,
         engines: list[FakeEngine] | None = None,
+        modules: tuple[object, ...] = (),
         **overrides: Any,
     ) -> Cluster:
         fakes = engines or [FakeEngine(n) for n in (names or ["a", "b"])]
@@ -84,7 +85,7 @@ def cluster() -> Iterator[ClusterFactory]:
         ]
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
         settings = load_settings(None, backends=backends, **overrides)
-        app = create_app(settings)
+        app = create_app(settings, modules=modules)  # further request-path modules a test adds
         url, _server = stack.enter_context(serve(app))
         return Cluster(url, {f.name: f for f in fakes}, servers, app.state.gateway)
 

@@ -108,7 +108,7 @@ async def _round(
         "ignore_eos": True,
     }
     through = await _stream(client, gw + "/v1/chat/completions", body)
-    cont = Continuation(None, None, ThinkingConfig(), Metrics.__new__(Metrics))  # type: ignore[arg-type]
+    cont = Continuation(ThinkingConfig(), Metrics.__new__(Metrics))
     phase = _Phase(reasoning=[through["reasoning"]], usage={"completion_tokens": args.budget})
     phase2 = cont.phase2_body({k: v for k, v in body.items() if k != "thinking_budget"}, phase, stream=True)
     await client.post(engine + "/reset_prefix_cache")

@@ -20,7 +20,7 @@ from typing import Any
 from backends.registry import Registry
 from config.settings import GuardConfig, Settings, load_settings
 from gateway.context import RequestContext
-from gateway.guard import StreamGuard
+from gateway.guard import OutputGuard, StreamGuard
 from gateway.metrics import Metrics
 from gateway.proxy import AdmitAll, Proxy
 from gateway.state import MemoryAffinityStore
@@ -79,9 +79,8 @@ def make_proxy(settings: Settings, chunks: list[bytes]) -> Proxy:
     for b in registry.backends.values():
         b.state = BackendState.READY
     metrics = Metrics(registry)
-    return Proxy(
-        settings.timeouts, registry, store, AdmitAll(), metrics, _Transport(chunks), guard=settings.guard
-    )
+    modules = [OutputGuard(settings.guard, metrics)] if settings.guard.enabled else []
+    return Proxy(settings.timeouts, registry, store, AdmitAll(), metrics, _Transport(chunks), modules)
 
 
 async def relay_cpu_per_chunk(guard: bool, chunks: list[bytes], streams: int) -> float:

@@ -41,9 +41,7 @@ class Admin:
             self.feed = ChangeFeed(
                 gw.store.client, gw.store.keys, self.local, admin.sync_interval_s, admin.allow_managed
             )
-        explainer = Explainer(
-            gw.registry, gw.store, gw.settings.routing.policy.value, endpoints, gw.proxy.feedback
-        )
+        explainer = Explainer(gw.registry, gw.store, gw.settings.routing.policy.value, endpoints, gw.feedback)
         self.api = AdminApi(gw, explainer, self.feed, self.local)
         self.operations: list[Operation] = operations(self.api)
         self._document: dict[str, object] | None = None

@@ -56,7 +56,7 @@ class Explainer:
         feedback = self.feedback if ctx is not None else None
         if feedback is not None and ctx is not None:
             feedback.plan(ctx)  # as the proxy does before routing: the key may grow a reply hash
-            key = ctx.key
+            key = ctx.affinity_key
         view = await self.store.view(key if policy.uses_affinity else None)
         decision: Decision
         now = time.monotonic()

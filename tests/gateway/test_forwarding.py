@@ -45,9 +45,8 @@ def test_unshaped_body_reaches_the_engine_byte_for_byte(cluster: ClusterFactory)
 def test_shaped_body_is_serialised_once_and_each_attempt_starts_from_the_original(
     cluster: ClusterFactory,
 ) -> None:
-    c = cluster(engines=[FakeEngine("a", fail_next=1), FakeEngine("b")], **RR)
     step = TagBackend()
-    c.gateway.proxy.steps = (step,)
+    c = cluster(engines=[FakeEngine("a", fail_next=1), FakeEngine("b")], modules=(step,), **RR)
     r = post(c.url)
     assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "b")
     original = httpx.Response(200, content=RAW).json()
@@ -61,8 +60,7 @@ def test_shaped_body_is_serialised_once_and_each_attempt_starts_from_the_origina
 
 
 def test_shaping_is_deterministic(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
-    c.gateway.proxy.steps = (TagBackend(),)
+    c = cluster(["a"], modules=(TagBackend(),))
     post(c.url)
     post(c.url)
     first, second = c.engines["a"].raw
@@ -93,8 +91,7 @@ def test_passthrough_keeps_percent_encoding_and_query(cluster: ClusterFactory) -
 
 
 def test_passthrough_body_is_forwarded_untouched(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
-    c.gateway.proxy.steps = (TagBackend(),)  # prepare steps shape only the endpoints that own their body
+    c = cluster(["a"], modules=(TagBackend(),))  # prepare steps shape only the endpoints that own their body
     raw = b'{"model": "m", "input": ["x"]}'
     r = httpx.post(c.url + "/v1/responses", content=raw)
     assert r.json()["body"] == raw.decode()

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from test_proxy_phases import make_proxy, run
+from test_proxy_phases import backends_ab, make_proxy, run
 
 from gateway.context import RequestContext
 from gateway.learning import RoutingFeedback
@@ -37,11 +37,9 @@ def streamed(text: str) -> Reply:
 
 
 def v2_proxy(fake: FakeTransport) -> tuple[Proxy, RoutingFeedback]:
-    proxy = make_proxy(fake)
-    feedback = RoutingFeedback(proxy.registry, PARAMS)
-    proxy.feedback = feedback
-    proxy.observers = (feedback,)
-    return proxy, feedback
+    parts = backends_ab()
+    feedback = RoutingFeedback(parts[2], PARAMS)
+    return make_proxy(fake, feedback, parts=parts), feedback  # its inputs before routing, learning in finish
 
 
 def chat(messages: list[dict[str, Any]], headers: list[tuple[bytes, bytes]] | None = None) -> RequestContext:
@@ -68,9 +66,11 @@ async def test_twins_sharing_a_head_spread_and_each_follows_its_own_first_reply(
         )
         await run(proxy, follow)
         assert follow.backend is not None and follow.backend.id == home
-        assert (follow.reason, follow.key) == (Reason.AFFINITY_HIT, reply_key(first.key, replies[home]))
+        routed = follow.affinity_key  # the endpoint's key stays; routing's own is told apart by the reply
+        assert follow.key == chat_key(json.loads(follow.raw)) and follow.route_key is not None
+        assert (follow.reason, routed) == (Reason.AFFINITY_HIT, reply_key(first.key, replies[home]))
         assert isinstance(proxy.store, MemoryAffinityStore)
-        assert proxy.store.table.get(follow.key, 0.0) == home  # claimed: later turns are plain pins
+        assert proxy.store.table.get(routed, 0.0) == home  # claimed: later turns are plain pins
 
 
 async def test_a_session_id_keeps_its_key_on_every_turn() -> None:
@@ -82,7 +82,7 @@ async def test_a_session_id_keeps_its_key_on_every_turn() -> None:
                headers=[(b"x-session-id", b"s1")])  # fmt: skip
     key = ctx.key
     await run(proxy, ctx)
-    assert ctx.key == key
+    assert ctx.key == key and ctx.affinity_key == key
 
 
 async def test_the_prefill_ledger_is_empty_once_requests_are_done() -> None:

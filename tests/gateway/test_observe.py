@@ -29,11 +29,9 @@ class Recorder:
         self.seen.append(obs)
 
 
-def observed(fake: FakeTransport) -> tuple[Proxy, Recorder]:
-    proxy = make_proxy(fake)
+def observed(fake: FakeTransport, *before: object) -> tuple[Proxy, Recorder]:
     recorder = Recorder()
-    proxy.observers = (recorder,)
-    return proxy, recorder
+    return make_proxy(fake, *before, recorder), recorder
 
 
 def test_the_last_usage_object_wins_and_null_usages_are_skipped() -> None:
@@ -109,8 +107,7 @@ async def test_a_failing_observer_does_not_break_the_request() -> None:
 
     fake = FakeTransport()
     fake.script("http://a", Reply.json({"choices": []}))
-    proxy, recorder = observed(fake)
-    proxy.observers = (Broken(), recorder)
+    proxy, recorder = observed(fake, Broken())
     sent = await run(proxy, ctx := context())
     assert sent[0]["status"] == 200 and len(recorder.seen) == 1
     assert ctx.lease is not None and ctx.lease.backend.in_flight == 0

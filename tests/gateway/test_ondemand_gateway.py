@@ -79,9 +79,12 @@ class Timeline:
 
 
 @contextlib.asynccontextmanager
-async def gateway(backends: list[dict[str, Any]], **overrides: Any) -> AsyncIterator[tuple[str, Gateway]]:
+async def gateway(
+    backends: list[dict[str, Any]], modules: tuple[object, ...] = (), **overrides: Any
+) -> AsyncIterator[tuple[str, Gateway]]:
     overrides.setdefault("health", FAST_HEALTH)
-    async with served_gateway(load_settings(None, backends=backends, **overrides), WITHIN) as served:
+    settings = load_settings(None, backends=backends, **overrides)
+    async with served_gateway(settings, WITHIN, modules) as served:
         yield served
 
 
@@ -174,12 +177,14 @@ async def test_a_waiting_stream_gets_keepalive_comments_then_the_whole_answer() 
 
 async def test_idle_ttl_stops_the_engine_and_status_says_so() -> None:
     engine = sim_engine("a", "ma", idle_ttl_s=0.5)
-    async with gateway([engine]) as (url, gw), httpx.AsyncClient(timeout=WITHIN) as c:
+    finished: list[
+        tuple[str, float]
+    ] = []  # the gateway's own end of the request: the idle clock starts after
+    async with (
+        gateway([engine], (Finished(finished),)) as (url, gw),
+        httpx.AsyncClient(timeout=WITHIN) as c,
+    ):
         tl = Timeline(gw)
-        finished: list[
-            tuple[str, float]
-        ] = []  # the gateway's own end of the request: the idle clock starts after
-        gw.proxy.observers = (*gw.proxy.observers, Finished(finished))
         assert (await c.post(url + "/v1/chat/completions", json=chat("ma"))).status_code == 200
         ((_, done),) = finished
         await eventually(lambda: phase(gw, "a") is Phase.STOPPED)  # its stop has finished
@@ -222,10 +227,12 @@ def pair(residency: float = 0.0, **a_args: Any) -> tuple[list[dict[str, Any]], d
 
 async def test_a_group_swaps_on_demand_and_never_while_a_stream_is_in_flight() -> None:
     backends, extra = pair()
-    async with gateway(backends, **extra) as (url, gw), httpx.AsyncClient(timeout=WITHIN) as c:
+    finished: list[tuple[str, float]] = []  # when the gateway's finish phase saw each request end
+    async with (
+        gateway(backends, (Finished(finished),), **extra) as (url, gw),
+        httpx.AsyncClient(timeout=WITHIN) as c,
+    ):
         tl = Timeline(gw)
-        finished: list[tuple[str, float]] = []  # when the gateway's finish phase saw each request end
-        gw.proxy.observers = (Finished(finished),)
         assert gw.fleet.demand is not None
         arrival = time.monotonic()
         async with c.stream(
@@ -477,8 +484,8 @@ async def test_the_hold_header_is_ignored_when_off_or_from_an_untrusted_client(e
         gateway(backends, on_demand={"hold_header": enabled}, **extra) as (url, gw),
         httpx.AsyncClient(timeout=WITHIN) as c,
     ):
-        assert gw.proxy.waiting is not None
-        gw.proxy.waiting.may_hold = lambda ctx: False  # the auth layer's predicate: nobody is trusted
+        assert gw.waiting is not None
+        gw.waiting.may_hold = lambda ctx: False  # the auth layer's predicate: nobody is trusted
         r = await c.post(url + "/v1/chat/completions", json=chat("ma"), headers={"x-warmroute-hold": "60"})
         assert r.status_code == 200
         r = await c.post(url + "/v1/chat/completions", json=chat("mb"))

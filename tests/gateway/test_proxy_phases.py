@@ -11,10 +11,10 @@ import pytest
 
 from backends.breaker import BreakerPolicy, CircuitBreaker
 from backends.registry import Registry
-from config.settings import load_settings
+from config.settings import Settings, load_settings
 from gateway.context import RequestContext
 from gateway.metrics import Metrics
-from gateway.proxy import AdmitAll, Proxy
+from gateway.proxy import AdmitAll, Proxy, RequestFeed
 from gateway.state import MemoryAffinityStore
 from gateway.transport import (
     UpstreamConnectError,
@@ -32,7 +32,8 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 OK = {"choices": [{"message": {"content": "fine"}}]}
 
 
-def make_proxy(fake: FakeTransport, **timeouts: float) -> Proxy:
+def backends_ab(**timeouts: float) -> tuple[Settings, MemoryAffinityStore, Registry]:
+    """Backends a and b, both ready, over one memory store."""
     settings = load_settings(
         None,
         backends=[{"id": n, "url": f"http://{n}", "models": ["m"]} for n in ("a", "b")],
@@ -42,7 +43,20 @@ def make_proxy(fake: FakeTransport, **timeouts: float) -> Proxy:
     registry = Registry(settings.backends, listener=store)
     for b in registry.backends.values():
         b.state = BackendState.READY
-    return Proxy(settings.timeouts, registry, store, AdmitAll(), Metrics(registry), fake)
+    return settings, store, registry
+
+
+def make_proxy(
+    fake: FakeTransport,
+    *modules: object,
+    feed: RequestFeed | None = None,
+    parts: tuple[Settings, MemoryAffinityStore, Registry] | None = None,
+    **timeouts: float,
+) -> Proxy:
+    """A proxy over ``parts`` (default: ``backends_ab``) with ``modules``, all given at construction."""
+    settings, store, registry = parts or backends_ab(**timeouts)
+    metrics = Metrics(registry)
+    return Proxy(settings.timeouts, registry, store, feed or AdmitAll(), metrics, fake, modules)
 
 
 def context() -> RequestContext:
@@ -155,9 +169,7 @@ class BreakerFeed:
 
 
 def proxy_with(fake: FakeTransport, feed: BreakerFeed) -> Proxy:
-    proxy = make_proxy(fake)
-    proxy.feed = feed
-    return proxy
+    return make_proxy(fake, feed=feed)
 
 
 async def test_every_attempt_feeds_the_breaker_and_a_4xx_is_a_success() -> None:

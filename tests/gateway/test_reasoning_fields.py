@@ -62,11 +62,20 @@ def test_a_model_that_does_not_think_is_relayed_untouched() -> None:
 
 
 async def _collect(relay: ReasoningRelay, parts: list[bytes]) -> bytes:
-    async def chunks():  # type: ignore[no-untyped-def]
-        for p in parts:
-            yield p
+    """The reads as the relay hands them to the filter: through its one splitter, event by event."""
+    from backends.registry import Backend
+    from config.settings import BackendConfig
+    from gateway.context import Attempt, Draft, RequestContext
+    from gateway.sse import EventSplitter
+    from routing.policies.round_robin import RoundRobinPolicy
 
-    return b"".join([c async for c in relay._stream(chunks())])
+    ctx = RequestContext("POST", "/v1/chat/completions", b"{}", {}, "m", "k", RoundRobinPolicy(), [])
+    attempt = Attempt(Backend(BackendConfig(id="a", url="http://a", models=["m"])), Draft({}))
+    f = relay.body_filter(ctx, attempt, 200, sse=True)
+    assert f is not None and f.rewrites
+    splitter = EventSplitter()
+    out = [p.raw for part in parts for p in f.events(splitter.feed(part))]
+    return b"".join(out) + splitter.close()
 
 
 @pytest.mark.anyio

@@ -14,6 +14,7 @@ import pytest
 from backends.registry import Registry
 from config.settings import ReasoningFields, load_settings
 from gateway.context import RequestContext
+from gateway.exchange import RelayLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
@@ -44,20 +45,21 @@ class Feed:
         self.outcomes.append((backend_id, False))
 
 
-def make_proxy(fake: FakeTransport, relay: ReasoningRelay, **timeouts: float) -> Proxy:
+def make_proxy(
+    fake: FakeTransport, relay: ReasoningRelay, limits: RelayLimits | None = None, **timeouts: float
+) -> Proxy:
     settings = load_settings(
         None, backends=[{"id": "a", "url": "http://a", "models": ["m"]}], timeouts=timeouts
     )
     store = MemoryAffinityStore(settings.routing)
     registry = Registry(settings.backends, listener=store)
     registry.backends["a"].state = BackendState.READY
-    proxy = Proxy(settings.timeouts, registry, store, Feed(), Metrics(registry), fake)
-    proxy.reasoning = relay
-    return proxy
+    metrics = Metrics(registry)
+    return Proxy(settings.timeouts, registry, store, Feed(), metrics, fake, (relay,), limits=limits)
 
 
-def relay(**limits: int) -> ReasoningRelay:
-    return ReasoningRelay(ReasoningFields.BOTH, lambda _model: True, **limits)
+def relay() -> ReasoningRelay:
+    return ReasoningRelay(ReasoningFields.BOTH, lambda _model: True)
 
 
 def context(stream: bool) -> RequestContext:
@@ -224,7 +226,7 @@ async def test_a_non_streamed_reply_over_the_bound_is_a_502_and_never_held() -> 
     never = asyncio.Event()  # the engine would go on: the gateway must stop reading first
     fake = FakeTransport()
     fake.script("http://a", Reply(200, JSON, [b"{" + b" " * 599, b" " * 600, never, b"}"]))
-    proxy = make_proxy(fake, relay(max_reply_bytes=1000), read_s=30)
+    proxy = make_proxy(fake, relay(), RelayLimits(max_reply_bytes=1000), read_s=30)
     client = Client()
     await client.run(proxy, ctx := context(stream=False))
     assert client.status == 502  # the head was held with the body: nothing of the 200 went out
@@ -253,7 +255,7 @@ async def test_an_unterminated_oversized_event_passes_through_as_it_comes() -> N
     fake = FakeTransport()
     fake.script("http://a", Reply(200, SSE, [*steps, client_gate := asyncio.Event(), tail]))
     client.gates.append(client_gate)
-    proxy = make_proxy(fake, relay(max_event_bytes=1024), read_s=30)
+    proxy = make_proxy(fake, relay(), RelayLimits(max_event_bytes=1024), read_s=30)
     await client.run(proxy, ctx := context(stream=True))
     assert client.chunks == [
         reads[0] + reads[1],
@@ -266,7 +268,7 @@ async def test_an_unterminated_oversized_event_passes_through_as_it_comes() -> N
 async def test_a_reply_whose_head_says_it_is_too_large_is_refused_unread() -> None:
     fake = FakeTransport()
     fake.script("http://a", Reply(200, [*JSON, (b"content-length", b"1001")], [b"{" + b" " * 999 + b"}"]))
-    proxy = make_proxy(fake, relay(max_reply_bytes=1000), read_s=30)
+    proxy = make_proxy(fake, relay(), RelayLimits(max_reply_bytes=1000), read_s=30)
     client = Client()
     await client.run(proxy, context(stream=False))
     assert client.status == 502
