@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
@@ -39,14 +39,12 @@ from gateway.admin.models import (
     Removed,
 )
 from gateway.admin.openapi import Handler, Operation
+from gateway.admin.ports import AdminPorts
 from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
 from gateway.errors import NotFound
 from gateway.state import StoreView
 from routing.types import Reason
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 ENGINE_SERIES = (*QUEUE_GAUGES, *CACHE_COUNTERS)
 SCRAPE_TIMEOUT_S = 1.0
@@ -63,13 +61,13 @@ _FLAGS = {
 
 class AdminApi:
     def __init__(
-        self, gw: Gateway, explainer: Explainer, feed: ChangeFeed | None, local: LocalChanges
+        self, gw: AdminPorts, explainer: Explainer, feed: ChangeFeed | None, local: LocalChanges
     ) -> None:
         self.gw = gw
         self.explainer = explainer
         self.feed = feed
         self.local = local
-        self.limit = gw.settings.admin.max_body_bytes
+        self.limit = gw.admin.max_body_bytes
         self.lock = feed.lock if feed is not None else asyncio.Lock()
 
     # -- backends: read -------------------------------------------------------------------------------
@@ -177,7 +175,7 @@ class AdminApi:
     async def run_canary(self, request: Request) -> Response:
         backend = self._backend(request)
         gw = self.gw
-        result = await Canary.for_backend(gw.client, backend.cfg, gw.settings.canary).run()
+        result = await Canary.for_backend(gw.client, backend.cfg, gw.canary).run()
         controller = gw.fleet.controllers.get(backend.id)
         if controller is not None:
             controller.last_canary, controller.last_canary_at = result, time.time()
@@ -244,7 +242,7 @@ class AdminApi:
                 "start); they cannot be added at runtime",
                 param="managed.on_demand",
             )
-        if cfg.managed is not None and not self.gw.settings.admin.allow_managed:
+        if cfg.managed is not None and not self.gw.admin.allow_managed:
             raise Unprocessable(
                 "managed backends cannot be added at runtime unless admin.allow_managed is true "
                 "(it runs a command on this host)",
