@@ -80,14 +80,14 @@ class Subscription:
 class Changes:
     def __init__(self) -> None:
         self.version = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: set[asyncio.Future[None]] = set()
         self._subscriptions: set[Subscription] = set()
 
     def notify(self, kind: ChangeKind, subject: str, value: str = "") -> None:
         """Announce one change (the writer's side: synchronous, never awaits, never raises)."""
         self.version += 1
         if self._waiters:
-            waiters, self._waiters = self._waiters, []
+            waiters, self._waiters = self._waiters, set()
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
@@ -100,13 +100,11 @@ class Changes:
         """Wait until ``version`` passes ``since`` (at once if it has); the version then."""
         while self.version <= since:
             fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
+            self._waiters.add(fut)
             try:
                 await fut
             finally:
-                if not fut.done():  # cancelled or timed out: leave no future behind
-                    fut.cancel()
-                    self._waiters.remove(fut)
+                self._waiters.discard(fut)  # cancelled or timed out: leave no future behind
         return self.version
 
     async def wait(self, predicate: Callable[[], object], within: float) -> None:
@@ -114,8 +112,11 @@ class Changes:
         ``within`` seconds. The predicate reads the state itself, so a change made before the call
         counts as well."""
         async with asyncio.timeout(within):
-            while not predicate():
-                await self.changed(self.version)
+            while True:
+                seen = self.version  # before the check: a change during or after it ends the next wait
+                if predicate():
+                    return
+                await self.changed(seen)
 
     def subscribe(self) -> Subscription:
         sub = Subscription(self)

@@ -321,7 +321,8 @@ def create_app(
             "/readyz", readyz_endpoint(gw.registry, gw.fleet, gw.store, gw.sidecar, access), methods=["GET"]
         ),
         Route("/metrics", metrics, methods=["GET"]),
-        Mount("/admin", routes=[*gw.admin.routes, Route("/status", status.page, methods=["GET"])]),  # AccessGuard
+        # Behind the AccessGuard, like every path under /admin.
+        Mount("/admin", routes=[*gw.admin.routes, Route("/status", status.page, methods=["GET"])]),
     ]
     app = Starlette(
         routes=routes,

@@ -79,8 +79,8 @@ class StatusData:
 
 
 class StatusPage:
-    """``page`` is the ``GET /admin/status`` endpoint. ``load_floor``: the in-flight count a full load bar stands for
-    at least (``routing.spill_min_in_flight``)."""
+    """``page`` is the ``GET /admin/status`` endpoint. ``load_floor``: the in-flight count a full load
+    bar stands for at least (``routing.spill_min_in_flight``)."""
 
     def __init__(
         self, registry: Registry, fleet: Fleet, store: AffinityStore, metrics: Metrics, load_floor: int

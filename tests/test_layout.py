@@ -90,3 +90,81 @@ def test_loading_the_product_loads_no_tools_and_the_cli_delegates_exist() -> Non
     else:  # no vision extra (make test without VISION=1): only the sidecar's modules stay unloaded
         assert unloadable != "[]" and all(m.startswith("sidecars.vision") for m in json.loads(unloadable))
     assert "gateway.app" in modules and "backends.sim.cli" in modules
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Product module -> the product modules it imports, counting every import statement: those under
+    ``TYPE_CHECKING`` and inside functions too (a circle hidden there is still a circle of knowledge).
+    ``from package import name`` names the submodule when there is one, else the package."""
+    modules = {module_name(p): p for p in product_files()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    edges.add(sub if sub in modules else node.module)
+        graph[name] = edges - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _in_admin_circle_scope(module: str) -> bool:
+    return module in {"gateway.app", "gateway.status_page", "gateway.readiness"} or (
+        module == "gateway.admin" or module.startswith("gateway.admin.")
+    )
+
+
+def test_the_admin_plane_the_status_page_and_the_app_form_no_import_circle() -> None:
+    graph = import_graph()
+    assert "gateway.admin" in graph["gateway.app"]  # the graph was really read
+    assert {"gateway.admin", "gateway.admin.api", "gateway.status_page"} <= set(graph)
+    involved = [sorted(c) for c in circles(graph) if any(_in_admin_circle_scope(m) for m in c)]
+    assert involved == []
+    # They are handed their parts: none of them names the whole gateway or a concrete store.
+    for name, edges in graph.items():
+        if _in_admin_circle_scope(name) and name != "gateway.app":
+            assert not edges & {"gateway.app", "gateway.redis_store"}, name
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
