@@ -281,6 +281,7 @@ def create_app(
             metrics=gw.metrics,
             transport=gw.transport,
             client=gw.client,
+            changes=gw.changes,
             admin=settings.admin,
             canary=settings.canary,
             policy=settings.routing.policy.value,

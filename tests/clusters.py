@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from config.settings import Settings
@@ -24,6 +25,12 @@ class Cluster:
     engines: dict[str, FakeEngine]
     engine_servers: dict[str, Any]
     gateway: Gateway
+    loop: asyncio.AbstractEventLoop  # the gateway's own (its server's thread)
+
+    def wait_for(self, predicate: Callable[[], object], what: str, within: float = 10.0) -> None:
+        """Wait for a state the gateway announces (backend states, additions, removals, pins): the
+        predicate runs on the gateway's loop, re-checked after each change (``Gateway.changes``)."""
+        wait_on_loop(self.gateway, self.loop, predicate, what, within)
 
     def in_flight(self) -> int:
         return self.gateway.registry.total_in_flight()
@@ -57,6 +64,23 @@ class Cluster:
 
 
 ClusterFactory = Callable[..., Cluster]
+
+
+def loop_of(server: uvicorn.Server) -> asyncio.AbstractEventLoop:
+    """The event loop a started uvicorn server runs on (in its own thread)."""
+    return server.servers[0].get_loop()
+
+
+def wait_on_loop(
+    gw: Gateway, loop: asyncio.AbstractEventLoop, predicate: Callable[[], object], what: str, within: float
+) -> None:
+    """From the test's thread: wait on ``gw.changes`` on the gateway's loop until ``predicate()``."""
+    done = asyncio.run_coroutine_threadsafe(gw.changes.wait(predicate, within), loop)
+    try:
+        done.result(within + 5.0)
+    except TimeoutError:
+        done.cancel()
+        pytest.fail(f"{what}: not reached within {within} s")
 
 
 @contextlib.asynccontextmanager

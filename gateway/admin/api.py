@@ -21,7 +21,14 @@ from backends.events import Command
 from backends.registry import Backend
 from config.settings import BackendConfig
 from gateway.admin import pins
-from gateway.admin.body import Conflict, UnknownBackend, Unprocessable, json_response, read_model
+from gateway.admin.body import (
+    Conflict,
+    UnknownBackend,
+    Unprocessable,
+    json_response,
+    read_model,
+    validate,
+)
 from gateway.admin.explain import Explainer
 from gateway.admin.models import (
     AffinityStats,
@@ -30,6 +37,8 @@ from gateway.admin.models import (
     BackendView,
     CanaryRun,
     ChangeResult,
+    ChangesQuery,
+    ChangesView,
     ExplainRequest,
     Explanation,
     Forgotten,
@@ -226,6 +235,18 @@ class AdminApi:
         )
         return json_response(stats)
 
+    # -- changes ------------------------------------------------------------------------------------
+
+    async def changes(self, request: Request) -> Response:
+        """A long poll on this replica's announcements (``backends.changes``): no polling loop anywhere."""
+        query = validate(ChangesQuery, dict(request.query_params))
+        changes = self.gw.changes
+        if changes.version == query.since and query.wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(query.wait_s):
+                    await changes.changed(query.since)
+        return json_response(ChangesView(version=changes.version))
+
     # -- helpers --------------------------------------------------------------------------------------
 
     def _backend(self, request: Request) -> Backend:
@@ -415,5 +436,14 @@ def operations(api: AdminApi) -> list[Operation]:
             "DELETE", "/pins/{key}", api.forget_pin, "Forget a conversation's pin", Forgotten, errors=(404,)
         ),
         Operation("GET", "/affinity", api.affinity, "Affinity statistics", AffinityStats),
+        Operation(
+            "GET",
+            "/changes",
+            api.changes,
+            "Wait for a backend state change, addition, removal or pin (long poll)",
+            ChangesView,
+            errors=(422,),
+            query=ChangesQuery,
+        ),
     ]
     return ops

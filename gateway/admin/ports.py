@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from backends.changes import Changes
 from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
@@ -31,6 +32,7 @@ class AdminPorts:
     metrics: Metrics
     transport: UpstreamPool  # a removed backend's pooled connections are closed
     client: httpx.AsyncClient  # engine /metrics scrapes and out-of-band canaries
+    changes: Changes  # GET /admin/changes waits on it
     admin: AdminConfig
     canary: CanaryConfig
     policy: str  # the configured routing policy's name, for the explain reply
