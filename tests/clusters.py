@@ -16,7 +16,7 @@ import uvicorn
 from config.settings import Settings
 from gateway.app import Gateway, create_app
 
-from upstreams import FakeEngine
+from upstreams import AnnouncedServer, FakeEngine
 
 
 @dataclass
@@ -89,13 +89,16 @@ async def served_gateway(settings: Settings, within_s: float) -> AsyncIterator[t
     its URL and the ``Gateway``. ``within_s`` bounds the start-up (managed engines' canaries included)."""
     app = create_app(settings)
     gw: Gateway = app.state.gateway
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = AnnouncedServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(within_s):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
+    up = asyncio.create_task(asyncio.to_thread(server.up.wait, within_s))
+    await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
+    server.up.set()  # releases the waiting thread if serve() ended before its start-up
+    await up
+    if task.done():
+        task.result()  # start-up raised: so does the test
+    if not server.started:
+        raise RuntimeError(f"the gateway did not start within {within_s} s")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}", gw
