@@ -6,6 +6,9 @@ Nothing in config/, routing/, backends/, gateway/ or sidecars/ has an import sta
 demo`` and ``warmroute bench`` to the strings "tools.demo" and "tools.bench" and imports them with importlib
 only when that subcommand runs. The second test holds it to that: loading every product module loads no
 tools module, and the modules the CLI delegates to exist.
+
+The admin plane (``gateway/admin/``), the status page, ``/readyz`` and ``gateway/app.py`` form no import
+circle, counting imports under ``TYPE_CHECKING`` too: they are handed the parts they use.
 """
 
 from __future__ import annotations
