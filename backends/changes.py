@@ -1,7 +1,8 @@
 """``Changes``: the one announcement of state changes — backend lifecycles, the fleet, affinity pins.
 
 The writers call ``notify`` (synchronous, never awaits): a lifecycle controller through ``Fleet``, the
-fleet when a backend is added or removed, an affinity store when a commit changed a pin. Readers either
+fleet when a backend is added or removed, the admin plane when it reconfigures one in place, an affinity
+store when a commit changed a pin. Readers either
 wait for a state (``wait(predicate)``: the predicate reads the state itself and is re-checked after every
 change) or follow the exact sequence of changes (``subscribe()``: an async iterator of ``Change``).
 
@@ -24,6 +25,7 @@ class ChangeKind(StrEnum):
     STATE = "state"  # a backend's lifecycle state or routability changed
     ADDED = "added"  # a backend was registered
     REMOVED = "removed"  # a backend was unregistered
+    RECONFIGURED = "reconfigured"  # a backend's config changed in place (its weight, at runtime)
     PIN = "pin"  # a conversation's pin was claimed or moved
 
 

@@ -51,8 +51,8 @@ class ChangesQuery(_Request):
 
 
 class ChangesView(BaseModel):
-    """This replica's change version: one more for each backend state change, addition, removal and pin
-    claimed or moved. It starts at 0 with the process; compare it for equality, never for order."""
+    """This replica's change version: one more for each backend state change, addition, removal, weight
+    change and pin claimed or moved. It starts at 0 with the process; compare it for equality only."""
 
     version: int
 

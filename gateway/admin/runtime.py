@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from backends.changes import ChangeKind
 from backends.events import Command, Operator
 from backends.registry import Backend
 from config.settings import BackendConfig
@@ -71,6 +72,7 @@ class LocalChanges:
     def reconfigure(self, cfg: BackendConfig) -> Backend:
         """A config change that needs no restart (weight); ValueError if it changes url or models."""
         backend = self.gw.registry.reconfigure(cfg)
+        self.gw.changes.notify(ChangeKind.RECONFIGURED, cfg.id)
         log.warning("backend %s reconfigured at runtime (weight %g)", cfg.id, cfg.weight)
         return backend
 

@@ -41,6 +41,15 @@ def test_a_long_poll_answers_with_the_change_not_at_its_deadline(cluster: Cluste
     assert answer.status_code == 200 and answer.json() == {"version": version + 1}
 
 
+def test_one_announcement_for_the_whole_gateway_and_a_weight_change_is_one(cluster: ClusterFactory) -> None:
+    c = cluster(["a"])
+    gw = c.gateway
+    assert gw.changes is gw.store.changes is gw.fleet.changes  # pins and lifecycles on one version
+    version = changes(c.url).json()["version"]
+    assert httpx.patch(c.url + "/admin/backends/a", json={"weight": 2}, timeout=10).status_code == 200
+    assert changes(c.url, since=version, wait_s=0).json() == {"version": version + 1}
+
+
 def test_each_pin_claimed_counts_once_and_a_turn_that_keeps_it_none(cluster: ClusterFactory) -> None:
     c = cluster(["a"])
     c.wait_for(lambda: c.gateway.registry.backends["a"].state.value == "ready", "a ready")

@@ -13,7 +13,7 @@ import httpx
 from tools.procs import child, free_port, ok, python, wait_http
 from tools.redis_server import RedisServer
 
-from admin_helpers import chat, until, until_announced
+from admin_helpers import chat, until_announced
 from upstreams import FakeEngine, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,8 +86,7 @@ def test_a_change_on_one_replica_reaches_the_other(
 
         # 3. Weight on replica 1.
         httpx.patch(one + "/admin/backends/b", headers=AUTH, json={"weight": 5})
-        # A weight change announces nothing (no state moves): polled.
-        until(lambda: backends(two)["b"]["weight"] == 5.0, what="b's weight on replica 2")
+        until_announced(two, lambda: backends(two)["b"]["weight"] == 5.0, "b's weight on 2", **A)
 
         # 4. A replica started after the changes comes up with them.
         three = stack.enter_context(replica(config))
