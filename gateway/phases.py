@@ -30,7 +30,7 @@ from backends.registry import Backend, Lease
 from gateway.context import Attempt, Draft, RequestContext
 from gateway.observe import Observation
 from gateway.sse import Piece
-from routing.types import Candidate, Decision, RouteRequest
+from routing.types import Decision, RouteRequest
 
 
 class Release(Protocol):

@@ -62,7 +62,7 @@ from gateway.transport import (
     UpstreamTransport,
     UpstreamTransportError,
 )
-from routing.types import BackendState, Candidate, Decision, PinAction, RouteRequest
+from routing.types import BackendState, Decision, PinAction, RouteRequest
 
 __all__ = ["AdmitAll", "Proxy", "RequestFeed", "upstream_headers"]
 
