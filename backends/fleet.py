@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from backends.breaker import CircuitState
+from backends.changes import ChangeKind, Changes
 from backends.demand import Claim, Demand, on_demand, scheduler_policy
 from backends.events import ConfigRemoved, ProbeFailed, ProbeOk
 from backends.lifecycle import Lifecycle
@@ -40,14 +41,16 @@ class Fleet:
         settings: Settings,
         client: httpx.AsyncClient,
         make: Callable[..., BackendController] = BackendController.from_settings,
+        changes: Changes | None = None,
     ) -> None:
         self.registry = registry
+        #: Announces every lifecycle state change, addition and removal (``backends.changes``).
+        self.changes = changes if changes is not None else Changes()
         self.settings = settings
         self.controllers: dict[str, BackendController] = {}
         self._client = client
         self._make = make
         self._started = False
-        self._changed = asyncio.Event()
         self.demand: Demand | None = None  # on-demand engines (backends/ondemand.py), if any is configured
         for cfg in settings.backends:
             self._control(cfg, registry.backends[cfg.id])
@@ -64,6 +67,7 @@ class Fleet:
     def add(self, cfg: BackendConfig) -> BackendController:
         """Register ``cfg`` with a controller (started at once if the fleet runs); ValueError if taken."""
         controller = self._control(cfg, self.registry.add(cfg))
+        self.changes.notify(ChangeKind.ADDED, cfg.id)
         if self._started:
             controller.start()
         return controller
@@ -73,6 +77,7 @@ class Fleet:
         managed engine is stopped. KeyError if unknown. Requests in flight there finish on their own."""
         controller = self.controllers.pop(backend_id)
         backend = self.registry.remove(backend_id)
+        self.changes.notify(ChangeKind.REMOVED, backend_id)
         controller.send(ConfigRemoved())
         await controller.aclose()
         return backend
@@ -92,10 +97,10 @@ class Fleet:
         """Wait (at most ``timeout_s``) until no backend is running its canary: at start-up, so that a
         healthy cluster takes traffic as soon as the gateway listens."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while any(c.lifecycle.state is BackendState.CANARY for c in self.controllers.values()):
-                    self._changed.clear()
-                    await self._changed.wait()
+            await self.changes.wait(
+                lambda: all(c.lifecycle.state is not BackendState.CANARY for c in self.controllers.values()),
+                timeout_s,
+            )
 
     # -- the health checker's sink ------------------------------------------------------------------------
 
@@ -180,8 +185,8 @@ class Fleet:
         def on_change(lc: Lifecycle) -> None:
             backend.state = lc.state
             backend.circuit_open = lc.circuit is CircuitState.OPEN
-            self._changed.set()
             if self.demand is not None:
                 self.demand.lifecycle_changed(backend.id, lc)
+            self.changes.notify(ChangeKind.STATE, backend.id, lc.state.value)  # after the mirror
 
         return on_change

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.changes import Changes
 from backends.engine_metrics import SignalScraper
 from backends.fleet import Fleet
 from backends.health import HealthChecker
@@ -27,6 +28,7 @@ from backends.managed import BackendController
 from backends.registry import Registry
 from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
 from gateway.admin import Admin
+from gateway.admin.ports import AdminPorts
 from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.context import RequestContext
@@ -43,7 +45,7 @@ from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
-from gateway.status_page import status_page
+from gateway.status_page import StatusPage
 from gateway.upstream import UpstreamPool
 from gateway.vision import VisionRouting, VisionStep, no_embeds
 from gateway.waiting import WaitingRoom
@@ -68,7 +70,9 @@ class Gateway:
         """``modules``: further request-path modules (gateway/phases.py), after the configured ones."""
         self.settings = settings
         self.freeze_gc = freeze_gc
-        self.store: AffinityStore = store or make_store(settings)
+        self.store: AffinityStore = store or make_store(settings, Changes())
+        #: The one announcement of state changes: the store's pins and the fleet's lifecycles.
+        self.changes = self.store.changes
         self.registry = Registry(settings.backends, listener=self.store)  # leases drive the shared counts
         self.metrics = Metrics(self.registry)
         #: Request-body bytes this worker holds, over every body route (``limits.max_held_body_bytes``).
@@ -84,7 +88,7 @@ class Gateway:
             follow_redirects=False,
         )
         # One lifecycle controller per backend, the one writer of its state; probes and the proxy feed it.
-        self.fleet = Fleet(self.registry, settings, self.client, make=self._controller)
+        self.fleet = Fleet(self.registry, settings, self.client, make=self._controller, changes=self.changes)
         self.health = HealthChecker(self.registry, self.client, settings.health, self.fleet)
         # The hot path's own HTTP/1.1 client: httpx costs ~1.4 ms CPU per request here, this ~0.02 ms.
         self.transport = UpstreamPool(
@@ -245,11 +249,11 @@ def routing_params(cfg: RoutingConfig) -> RoutingParams:
     )
 
 
-def make_store(settings: Settings) -> AffinityStore:
+def make_store(settings: Settings, changes: Changes | None = None) -> AffinityStore:
     if settings.redis.url is None:
-        return MemoryAffinityStore(settings.routing)
+        return MemoryAffinityStore(settings.routing, changes=changes)
     backends = [b.id for b in settings.backends]
-    return RedisAffinityStore(settings.redis, settings.routing, backends)
+    return RedisAffinityStore(settings.redis, settings.routing, backends, changes=changes)
 
 
 class HotPath:
@@ -295,7 +299,24 @@ def create_app(
 
     chat = endpoint(ChatCompletions, gw.policy)
     completions = endpoint(Completions, gw.policy)
-    gw.admin = Admin(gw, {"/v1/chat/completions": chat, "/v1/completions": completions})
+    gw.admin = Admin(
+        AdminPorts(
+            registry=gw.registry,
+            fleet=gw.fleet,
+            health=gw.health,
+            store=gw.store,
+            metrics=gw.metrics,
+            transport=gw.transport,
+            client=gw.client,
+            changes=gw.changes,
+            admin=settings.admin,
+            canary=settings.canary,
+            policy=settings.routing.policy.value,
+            endpoints={"/v1/chat/completions": chat, "/v1/completions": completions},
+            feedback=gw.feedback,
+        )
+    )
+    status = StatusPage(gw.registry, gw.fleet, gw.store, gw.metrics, settings.routing.spill_min_in_flight)
 
     async def models(_request: Request) -> Response:
         return JSONResponse(
@@ -314,9 +335,6 @@ def create_app(
     async def metrics(_request: Request) -> Response:
         return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
 
-    async def status(_request: Request) -> Response:
-        return await status_page(gw)
-
     routes = [
         # A trailing slash reaches the same endpoint (validation and affinity included), never the engine.
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -327,9 +345,12 @@ def create_app(
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/{rest:path}", endpoint(Passthrough, LeastLoadedPolicy())),
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz_endpoint(gw, access), methods=["GET"]),
+        Route(
+            "/readyz", readyz_endpoint(gw.registry, gw.fleet, gw.store, gw.sidecar, access), methods=["GET"]
+        ),
         Route("/metrics", metrics, methods=["GET"]),
-        Mount("/admin", routes=[*gw.admin.routes, Route("/status", status, methods=["GET"])]),  # AccessGuard
+        # Behind the AccessGuard, like every path under /admin.
+        Mount("/admin", routes=[*gw.admin.routes, Route("/status", status.page, methods=["GET"])]),
     ]
     app = Starlette(
         routes=routes,

@@ -12,35 +12,42 @@ output.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from backends.fleet import Fleet
+from backends.registry import Registry
 from gateway.auth import AdminAccess, forwarded, is_loopback
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.sidecar import SidecarHost
+from gateway.state import AffinityStore
 
 #: The short form's reason is cut here: engine output must not leak through it.
 SHORT_REASON_CHARS = 120
 
 
-def readyz_endpoint(gw: Gateway, access: AdminAccess) -> Callable[[Request], Awaitable[Response]]:
+def readyz_endpoint(
+    registry: Registry,
+    fleet: Fleet,
+    store: AffinityStore,
+    sidecar: SidecarHost | None,
+    access: AdminAccess,
+) -> Callable[[Request], Awaitable[Response]]:
     async def readyz(request: Request) -> Response:
         detail = wants_detail(request, access)
         # Stopped on-demand engines start on a request: a gateway fronting only those is ready.
-        ready = gw.registry.any_ready() or gw.fleet.startable()
-        shared = gw.store.status()
+        ready = registry.any_ready() or fleet.startable()
+        shared = store.status()
         body: dict[str, Any] = {
             "ready": ready,
-            "backends": readyz_backends(gw.fleet.status(), detail),
+            "backends": readyz_backends(fleet.status(), detail),
             "shared_state": {"backend": shared.get("backend"), "degraded": bool(shared.get("degraded"))},
         }
-        if gw.sidecar is not None:  # not part of readiness: text requests never need it
-            side: dict[str, Any] = {"state": gw.sidecar.state, "available": gw.sidecar.available}
+        if sidecar is not None:  # not part of readiness: text requests never need it
+            side: dict[str, Any] = {"state": sidecar.state, "available": sidecar.available}
             if detail:
-                side["status"] = gw.sidecar.status()
+                side["status"] = sidecar.status()
             body["vision_sidecar"] = side
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -36,10 +36,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from backends.changes import ChangeKind, Changes
 from config.settings import RedisConfig, RoutingConfig
 from gateway import redis_scripts
 from gateway.redis_keys import RedisKeys
-from gateway.state import MemoryAffinityStore, StoreView
+from gateway.state import AdminChannel, MemoryAffinityStore, Pin, StoreView
 from routing.types import Decision, PinAction
 
 log = logging.getLogger("warmroute.state")
@@ -73,10 +74,13 @@ class RedisAffinityStore:
         *,
         pool: BlockingConnectionPool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        changes: Changes | None = None,
     ) -> None:
         self.cfg = cfg
         self.keys = RedisKeys(cfg.prefix)
-        self.local = MemoryAffinityStore(routing, clock)  # mirror of our pins; the whole truth when degraded
+        self.changes = changes if changes is not None else Changes()
+        # Mirror of our pins; the whole truth when degraded (its commits announce on the same changes).
+        self.local = MemoryAffinityStore(routing, clock, self.changes)
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._client = Redis(connection_pool=pool or redis_pool(cfg))
         self._view = self._client.register_script(redis_scripts.VIEW)
@@ -142,6 +146,8 @@ class RedisAffinityStore:
             self._degrade(exc)
             return self._commit_locally(key, decision)
         self.local.table.move(key, winner, self.local.clock())
+        if decision.pin is not PinAction.TOUCH:
+            self.changes.notify(ChangeKind.PIN, key, winner)
         return winner
 
     def started(self, backend: str) -> None:
@@ -185,6 +191,12 @@ class RedisAffinityStore:
         """The store's Redis client (the admin API's change feed shares its pool)."""
         return self._client
 
+    def admin_channel(self) -> AdminChannel:
+        return AdminChannel(self._client, self.keys)
+
+    def backends_changed(self, backends: Sequence[str]) -> None:
+        self.set_backends(backends)
+
     def set_backends(self, backends: Sequence[str]) -> None:
         """The backends to count from now on (one added or removed at runtime). No I/O."""
         known = set(self._backends)
@@ -205,7 +217,7 @@ class RedisAffinityStore:
                     pipe.hdel(self.keys.in_flight(self.replica), backend)
                     await pipe.execute()
 
-    async def pin(self, key: str) -> tuple[str, float | None] | None:
+    async def pin(self, key: str) -> Pin | None:
         """(backend, seconds left) of the pin of ``key``, or None; from the local mirror when degraded."""
         if not self._degraded:
             try:
@@ -216,9 +228,9 @@ class RedisAffinityStore:
             except _FAILURES as exc:
                 self._degrade(exc)
             else:
-                return None if backend is None else (backend, ttl_ms / 1000 if ttl_ms >= 0 else None)
+                return None if backend is None else Pin(backend, ttl_ms / 1000 if ttl_ms >= 0 else None)
         found = self.local.table.entry(key)
-        return None if found is None else (found[0], max(0.0, found[1] - self.local.clock()))
+        return None if found is None else Pin(found[0], max(0.0, found[1] - self.local.clock()))
 
     async def forget(self, key: str) -> str | None:
         """Drop the pin of ``key`` everywhere; the backend it named, or None."""
@@ -312,6 +324,8 @@ class RedisAffinityStore:
             self._pending[key] = move or self._pending.get(key, False)
         else:
             self._resync_all = True  # too many to track one by one: write the whole table back
+        if decision.pin is not PinAction.TOUCH:
+            self.changes.notify(ChangeKind.PIN, key, winner)
         return winner
 
     def _degrade(self, exc: BaseException) -> None:

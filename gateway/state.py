@@ -9,16 +9,25 @@ calls ``view`` once and ``commit`` at most once per attempt (a retry that moves 
 ``started``/``finished`` are plain functions called by the registry's leases: they change local counts,
 published with the store's next round trip or heartbeat. So a routed request costs at most two round trips
 (three on the retry path). A view is a snapshot: later changes to the store never show through it.
+
+Each store announces the pins its commits claim or move on ``changes`` (``backends.changes``). The admin
+plane asks the port what it needs and never the concrete type: ``admin_channel`` (may runtime changes be
+published for other replicas, and where), ``pin``/``forget`` (off the request path: their cost is not
+under the contract above), ``backends_changed``/``forget_backend`` (a backend added or removed at runtime).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from redis.asyncio import Redis
+
+from backends.changes import ChangeKind, Changes
 from config.settings import RoutingConfig
+from gateway.redis_keys import RedisKeys
 from routing.affinity import AffinityTable
 from routing.types import Decision, PinAction
 
@@ -31,7 +40,24 @@ class StoreView:
     in_flight: Mapping[str, int] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    backend: str
+    expires_in_s: float | None  # None: the pin has no expiry
+
+
+@dataclass(frozen=True, slots=True)
+class AdminChannel:
+    """Where runtime backend changes are published for the other replicas (a shared store's Redis)."""
+
+    redis: Redis
+    keys: RedisKeys
+
+
 class AffinityStore(Protocol):
+    #: Announces every pin a commit claims or moves.
+    changes: Changes
+
     async def start(self) -> None:
         """Connect and start background work (called by the app's lifespan). Must not raise on outages."""
         ...
@@ -58,11 +84,39 @@ class AffinityStore(Protocol):
 
     async def aclose(self) -> None: ...
 
+    # -- the admin plane (never on the request path) ----------------------------------------------
+
+    def admin_channel(self) -> AdminChannel | None:
+        """Where runtime changes are published for other replicas; None: this store is not shared."""
+        ...
+
+    async def pin(self, key: str) -> Pin | None:
+        """The pin of ``key`` and how long it has left, or None."""
+        ...
+
+    async def forget(self, key: str) -> str | None:
+        """Drop the pin of ``key``; the backend it named, or None if there was none."""
+        ...
+
+    def backends_changed(self, backends: Sequence[str]) -> None:
+        """The configured backends after a runtime addition or removal (no I/O)."""
+        ...
+
+    async def forget_backend(self, backend: str) -> None:
+        """A removed backend's shared counts go (its pins stay: they re-pin on their next turn)."""
+        ...
+
 
 class MemoryAffinityStore:
-    def __init__(self, cfg: RoutingConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: RoutingConfig,
+        clock: Callable[[], float] = time.monotonic,
+        changes: Changes | None = None,
+    ) -> None:
         self.table = AffinityTable(cfg.affinity_ttl_s, cfg.affinity_max_entries)
         self.clock = clock
+        self.changes = changes if changes is not None else Changes()
 
     async def start(self) -> None:
         return None
@@ -77,9 +131,12 @@ class MemoryAffinityStore:
         if decision.pin is PinAction.TOUCH:
             self.table.touch(key, now)
         elif decision.pin is PinAction.CLAIM:
-            return self.table.claim(key, decision.backend, now)
+            winner = self.table.claim(key, decision.backend, now)
+            self.changes.notify(ChangeKind.PIN, key, winner)
+            return winner
         elif decision.pin is PinAction.MOVE:
             self.table.move(key, decision.backend, now)
+            self.changes.notify(ChangeKind.PIN, key, decision.backend)
         return decision.backend
 
     def started(self, backend: str) -> None:
@@ -92,4 +149,25 @@ class MemoryAffinityStore:
         return {"backend": "memory", "degraded": False, "entries": len(self.table)}
 
     async def aclose(self) -> None:
+        return None
+
+    def admin_channel(self) -> AdminChannel | None:
+        return None
+
+    async def pin(self, key: str) -> Pin | None:
+        now = self.clock()
+        backend = self.table.get(key, now)
+        entry = self.table.entry(key)
+        if backend is None or entry is None:
+            return None
+        return Pin(backend, max(0.0, entry[1] - now))
+
+    async def forget(self, key: str) -> str | None:
+        self.table.expire(self.clock())
+        return self.table.forget(key)
+
+    def backends_changed(self, backends: Sequence[str]) -> None:
+        return None
+
+    async def forget_backend(self, backend: str) -> None:
         return None

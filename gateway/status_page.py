@@ -5,8 +5,9 @@ Content-Security-Policy says so to the browser (no script may run even if escapi
 value that comes from configuration or an engine (ids, reasons, canary answers, exit causes) goes through
 ``html.escape``. Auth is the admin prefix's business, not this module's.
 
-Data: ``snapshot(gw, conversations)`` reads the gateway (lifecycle controllers' ``status()``, the registry,
-the metrics' tallies) into plain values; ``render`` turns them into HTML and does nothing else.
+Data: ``StatusPage`` is handed what it reads (the registry, the fleet's lifecycle controllers, the store,
+the metrics' tallies); its ``snapshot`` turns them into plain values; ``render`` turns those into HTML and
+does nothing else.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
-from gateway.metrics import LifecycleNote
+from backends.fleet import Fleet
+from backends.registry import Registry
+from gateway.metrics import LifecycleNote, Metrics
+from gateway.state import AffinityStore
 from routing.types import Reason
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 REFRESH_S = 5
 NOTES_SHOWN = 10
@@ -76,45 +78,56 @@ class StatusData:
     now: float
 
 
-async def status_page(gw: Gateway) -> HTMLResponse:
-    conversations = (await gw.store.view(None)).conversations
-    html = render(snapshot(gw, conversations))
-    headers = {"cache-control": "no-store", "content-security-policy": CSP}
-    return HTMLResponse(html, headers=headers)
+class StatusPage:
+    """``page`` is the ``GET /admin/status`` endpoint. ``load_floor``: the in-flight count a full load
+    bar stands for at least (``routing.spill_min_in_flight``)."""
 
+    def __init__(
+        self, registry: Registry, fleet: Fleet, store: AffinityStore, metrics: Metrics, load_floor: int
+    ) -> None:
+        self.registry = registry
+        self.fleet = fleet
+        self.store = store
+        self.metrics = metrics
+        self.load_floor = load_floor
 
-def snapshot(gw: Gateway, conversations: Mapping[str, int]) -> StatusData:
-    status = gw.fleet.status()
-    rows = []
-    for b in list(gw.registry.backends.values()):
-        st = status.get(b.id, {})
-        rows.append(
-            BackendRow(
-                id=b.id,
-                state=str(st.get("state", b.state.value)),
-                reason=str(st.get("reason") or ""),
-                models=tuple(b.cfg.models),
-                weight=b.cfg.weight,
-                in_flight=b.in_flight,
-                conversations=int(conversations.get(b.id, 0)),
-                circuit=str(st.get("circuit", "")),
-                canary=_canary(st.get("canary")),
-                restarts=_restarts(st.get("managed")),
-            )
+    async def page(self, _request: Request) -> HTMLResponse:
+        conversations = (await self.store.view(None)).conversations
+        html = render(self.snapshot(conversations))
+        headers = {"cache-control": "no-store", "content-security-policy": CSP}
+        return HTMLResponse(html, headers=headers)
+
+    def snapshot(self, conversations: Mapping[str, int]) -> StatusData:
+        status = self.fleet.status()
+        rows = [self._row(b.id, status.get(b.id, {}), conversations) for b in self.registry.backends.values()]
+        tally = self.metrics.tally
+        shared = self.store.status()
+        return StatusData(
+            backends=tuple(rows),
+            load_scale=max([self.load_floor, *(r.in_flight for r in rows)]),
+            hit_rate=self.metrics.affinity_hit_rate(),
+            decisions={reason.value: n for reason, n in tally.decisions.items() if n},
+            requests=sum(tally.requests.values()),
+            shared_state=str(shared.get("backend", "")),
+            degraded=bool(shared.get("degraded")),
+            notes=tuple(reversed(self.metrics.fleet.recent))[:NOTES_SHOWN],
+            now=time.time(),
         )
-    tally = gw.metrics.tally
-    shared = gw.store.status()
-    return StatusData(
-        backends=tuple(rows),
-        load_scale=max([gw.settings.routing.spill_min_in_flight, *(r.in_flight for r in rows)]),
-        hit_rate=gw.metrics.affinity_hit_rate(),
-        decisions={reason.value: n for reason, n in tally.decisions.items() if n},
-        requests=sum(tally.requests.values()),
-        shared_state=str(shared.get("backend", "")),
-        degraded=bool(shared.get("degraded")),
-        notes=tuple(reversed(gw.metrics.fleet.recent))[:NOTES_SHOWN],
-        now=time.time(),
-    )
+
+    def _row(self, backend_id: str, st: dict[str, Any], conversations: Mapping[str, int]) -> BackendRow:
+        b = self.registry.backends[backend_id]
+        return BackendRow(
+            id=b.id,
+            state=str(st.get("state", b.state.value)),
+            reason=str(st.get("reason") or ""),
+            models=tuple(b.cfg.models),
+            weight=b.cfg.weight,
+            in_flight=b.in_flight,
+            conversations=int(conversations.get(b.id, 0)),
+            circuit=str(st.get("circuit", "")),
+            canary=_canary(st.get("canary")),
+            restarts=_restarts(st.get("managed")),
+        )
 
 
 def _canary(canary: dict[str, Any] | None) -> str:

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from config.settings import Settings
 from gateway.app import Gateway, create_app
 
-from upstreams import FakeEngine
+from upstreams import AnnouncedServer, FakeEngine
 
 
 @dataclass
@@ -24,6 +25,12 @@ class Cluster:
     engines: dict[str, FakeEngine]
     engine_servers: dict[str, Any]
     gateway: Gateway
+    loop: asyncio.AbstractEventLoop  # the gateway's own (its server's thread)
+
+    def wait_for(self, predicate: Callable[[], object], what: str, within: float = 10.0) -> None:
+        """Wait for a state the gateway announces (backend states, additions, removals, pins): the
+        predicate runs on the gateway's loop, re-checked after each change (``Gateway.changes``)."""
+        wait_on_loop(self.gateway, self.loop, predicate, what, within)
 
     def in_flight(self) -> int:
         return self.gateway.registry.total_in_flight()
@@ -59,6 +66,23 @@ class Cluster:
 ClusterFactory = Callable[..., Cluster]
 
 
+def loop_of(server: uvicorn.Server) -> asyncio.AbstractEventLoop:
+    """The event loop a started uvicorn server runs on (in its own thread)."""
+    return server.servers[0].get_loop()
+
+
+def wait_on_loop(
+    gw: Gateway, loop: asyncio.AbstractEventLoop, predicate: Callable[[], object], what: str, within: float
+) -> None:
+    """From the test's thread: wait on ``gw.changes`` on the gateway's loop until ``predicate()``."""
+    done = asyncio.run_coroutine_threadsafe(gw.changes.wait(predicate, within), loop)
+    try:
+        done.result(within + 5.0)
+    except TimeoutError:
+        done.cancel()
+        pytest.fail(f"{what}: not reached within {within} s")
+
+
 @contextlib.asynccontextmanager
 async def served_gateway(
     settings: Settings, within_s: float, modules: tuple[object, ...] = ()
@@ -68,13 +92,16 @@ async def served_gateway(
     ``modules``: further request-path modules (gateway/phases.py)."""
     app = create_app(settings, modules=modules)
     gw: Gateway = app.state.gateway
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = AnnouncedServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(within_s):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
+    up = asyncio.create_task(asyncio.to_thread(server.up.wait, within_s))
+    await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
+    server.up.set()  # releases the waiting thread if serve() ended before its start-up
+    await up
+    if task.done():
+        task.result()  # start-up raised: so does the test
+    if not server.started:
+        raise RuntimeError(f"the gateway did not start within {within_s} s")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}", gw

@@ -15,7 +15,7 @@ from config.settings import load_settings
 from gateway.app import create_app
 from tools.redis_server import RedisServer, find_binary
 
-from clusters import Cluster, ClusterFactory
+from clusters import Cluster, ClusterFactory, loop_of
 from needs import NEEDS_BY_FIXTURE
 from upstreams import FakeEngine, serve
 
@@ -86,8 +86,8 @@ def cluster() -> Iterator[ClusterFactory]:
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
         settings = load_settings(None, backends=backends, **overrides)
         app = create_app(settings, modules=modules)  # further request-path modules a test adds
-        url, _server = stack.enter_context(serve(app))
-        return Cluster(url, {f.name: f for f in fakes}, servers, app.state.gateway)
+        url, server = stack.enter_context(serve(app))
+        return Cluster(url, {f.name: f for f in fakes}, servers, app.state.gateway, loop_of(server))
 
     with stack:
         yield make

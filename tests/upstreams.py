@@ -33,17 +33,35 @@ def serve(app: ASGIApp, port: int = 0) -> Iterator[tuple[str, uvicorn.Server]]:
         yield f"http://127.0.0.1:{bound}", server
 
 
+class AnnouncedServer(uvicorn.Server):
+    """uvicorn's server, announcing the end of its start-up (``up``) instead of leaving a flag to poll."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.up = threading.Event()  # set once listening, or once start-up failed (``started`` says which)
+
+    async def startup(self, sockets: Any = None) -> None:
+        try:
+            await super().startup(sockets)
+        finally:
+            self.up.set()
+
+
 @contextlib.contextmanager
 def served(config: uvicorn.Config) -> Iterator[tuple[int, uvicorn.Server]]:
     """Run ``config`` in a daemon thread; yields (port, server)."""
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    server = AnnouncedServer(config)
+
+    def run() -> None:
+        try:
+            server.run()
+        finally:
+            server.up.set()  # a start-up that raised before ``startup`` ran
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
-        time.sleep(0.01)
+    if not server.up.wait(10) or not server.started:
+        raise RuntimeError("test server did not start")
     port: int = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield port, server

@@ -3,16 +3,14 @@
 - ``api``: handlers and the operation table; ``openapi``: the document generated from that table and the
   pydantic models (``models``); ``body``: safe body reading and responses;
 - ``runtime``: backend changes applied to this replica; ``sync``: the Redis change feed that carries them
-  to the other replicas; ``explain``: the routing dry run; ``pins``: pin lookups over either store.
+  to the other replicas; ``explain``: the routing dry run; ``pins``: pin lookups over either store;
+- ``ports``: what the admin plane is handed (``AdminPorts``), built by ``create_app``.
 
 Authentication is not here: ``gateway.auth.AccessGuard`` wraps the whole app and covers every path under
 ``/admin``, including routes other modules add to ``Admin.routes`` (the status page, say).
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,28 +19,25 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.api import AdminApi, operations
 from gateway.admin.explain import Explainer
 from gateway.admin.openapi import Operation, document
+from gateway.admin.ports import AdminPorts
 from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
-from gateway.redis_store import RedisAffinityStore
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.endpoints import Endpoint
 
 
 class Admin:
     """Built by ``create_app``; ``start``/``aclose`` run in the app's lifespan."""
 
-    def __init__(self, gw: Gateway, endpoints: Mapping[str, Endpoint]) -> None:
-        self.local = LocalChanges(gw)
+    def __init__(self, ports: AdminPorts) -> None:
+        self.local = LocalChanges(ports)
         self.feed: ChangeFeed | None = None
-        if isinstance(gw.store, RedisAffinityStore):
-            admin = gw.settings.admin
+        channel = ports.store.admin_channel()  # None: nothing to publish to (no other replica shares it)
+        if channel is not None:
+            admin = ports.admin
             self.feed = ChangeFeed(
-                gw.store.client, gw.store.keys, self.local, admin.sync_interval_s, admin.allow_managed
+                channel.redis, channel.keys, self.local, admin.sync_interval_s, admin.allow_managed
             )
-        explainer = Explainer(gw.registry, gw.store, gw.settings.routing.policy.value, endpoints, gw.feedback)
-        self.api = AdminApi(gw, explainer, self.feed, self.local)
+        explainer = Explainer(ports.registry, ports.store, ports.policy, ports.endpoints, ports.feedback)
+        self.api = AdminApi(ports, explainer, self.feed, self.local)
         self.operations: list[Operation] = operations(self.api)
         self._document: dict[str, object] | None = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
@@ -21,7 +21,14 @@ from backends.events import Command
 from backends.registry import Backend
 from config.settings import BackendConfig
 from gateway.admin import pins
-from gateway.admin.body import Conflict, UnknownBackend, Unprocessable, json_response, read_model
+from gateway.admin.body import (
+    Conflict,
+    UnknownBackend,
+    Unprocessable,
+    json_response,
+    read_model,
+    validate,
+)
 from gateway.admin.explain import Explainer
 from gateway.admin.models import (
     AffinityStats,
@@ -30,6 +37,8 @@ from gateway.admin.models import (
     BackendView,
     CanaryRun,
     ChangeResult,
+    ChangesQuery,
+    ChangesView,
     ExplainRequest,
     Explanation,
     Forgotten,
@@ -39,15 +48,13 @@ from gateway.admin.models import (
     Removed,
 )
 from gateway.admin.openapi import Handler, Operation
+from gateway.admin.ports import AdminPorts
 from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
 from gateway.errors import NotFound
 from gateway.state import StoreView
 from gateway.vision import no_embeds
 from routing.types import Reason
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 ENGINE_SERIES = (*QUEUE_GAUGES, *CACHE_COUNTERS)
 SCRAPE_TIMEOUT_S = 1.0
@@ -64,13 +71,13 @@ _FLAGS = {
 
 class AdminApi:
     def __init__(
-        self, gw: Gateway, explainer: Explainer, feed: ChangeFeed | None, local: LocalChanges
+        self, gw: AdminPorts, explainer: Explainer, feed: ChangeFeed | None, local: LocalChanges
     ) -> None:
         self.gw = gw
         self.explainer = explainer
         self.feed = feed
         self.local = local
-        self.limit = gw.settings.admin.max_body_bytes
+        self.limit = gw.admin.max_body_bytes
         self.lock = feed.lock if feed is not None else asyncio.Lock()
 
     # -- backends: read -------------------------------------------------------------------------------
@@ -178,7 +185,7 @@ class AdminApi:
     async def run_canary(self, request: Request) -> Response:
         backend = self._backend(request)
         gw = self.gw
-        result = await Canary.for_backend(gw.client, backend.cfg, gw.settings.canary).run()
+        result = await Canary.for_backend(gw.client, backend.cfg, gw.canary).run()
         controller = gw.fleet.controllers.get(backend.id)
         if controller is not None:
             controller.last_canary, controller.last_canary_at = result, time.time()
@@ -229,6 +236,18 @@ class AdminApi:
         )
         return json_response(stats)
 
+    # -- changes ------------------------------------------------------------------------------------
+
+    async def changes(self, request: Request) -> Response:
+        """A long poll on this replica's announcements (``backends.changes``): no polling loop anywhere."""
+        query = validate(ChangesQuery, dict(request.query_params))
+        changes = self.gw.changes
+        if changes.version == query.since and query.wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(query.wait_s):
+                    await changes.changed(query.since)
+        return json_response(ChangesView(version=changes.version))
+
     # -- helpers --------------------------------------------------------------------------------------
 
     def _backend(self, request: Request) -> Backend:
@@ -245,7 +264,7 @@ class AdminApi:
                 "start); they cannot be added at runtime",
                 param="managed.on_demand",
             )
-        if cfg.managed is not None and not self.gw.settings.admin.allow_managed:
+        if cfg.managed is not None and not self.gw.admin.allow_managed:
             raise Unprocessable(
                 "managed backends cannot be added at runtime unless admin.allow_managed is true "
                 "(it runs a command on this host)",
@@ -420,5 +439,14 @@ def operations(api: AdminApi) -> list[Operation]:
             "DELETE", "/pins/{key}", api.forget_pin, "Forget a conversation's pin", Forgotten, errors=(404,)
         ),
         Operation("GET", "/affinity", api.affinity, "Affinity statistics", AffinityStats),
+        Operation(
+            "GET",
+            "/changes",
+            api.changes,
+            "Wait for a backend state change, addition, removal or pin (long poll)",
+            ChangesView,
+            errors=(422,),
+            query=ChangesQuery,
+        ),
     ]
     return ops

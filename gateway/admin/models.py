@@ -36,6 +36,27 @@ class ExplainRequest(_Request):
     headers: dict[str, str] = Field(default_factory=dict, max_length=64)
 
 
+#: The longest a ``GET /admin/changes`` waits for a change.
+MAX_CHANGES_WAIT_S = 30.0
+
+
+class ChangesQuery(_Request):
+    """The query of ``GET /admin/changes``: answer at once if the version is not ``since``, else when it
+    moves or after ``wait_s`` seconds, whichever comes first."""
+
+    since: int = Field(default=0, ge=0, description="The version the caller last saw")
+    wait_s: float = Field(
+        default=0.0, ge=0, le=MAX_CHANGES_WAIT_S, allow_inf_nan=False, description="How long to wait"
+    )
+
+
+class ChangesView(BaseModel):
+    """This replica's change version: one more for each backend state change, addition, removal, weight
+    change and pin claimed or moved. It starts at 0 with the process; compare it for equality only."""
+
+    version: int
+
+
 class Problem(BaseModel):
     """OpenAI's error shape: every 4xx/5xx of the admin API."""
 

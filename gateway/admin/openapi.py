@@ -33,6 +33,7 @@ class Operation:
     body: type[BaseModel] | None = None
     status: int = 200
     errors: tuple[int, ...] = ()
+    query: type[BaseModel] | None = None  # its fields are the optional query parameters
 
     @property
     def openapi_path(self) -> str:
@@ -70,11 +71,15 @@ def _operation(op: Operation, refs: dict[Any, Any]) -> dict[str, Any]:
     mode = "serialization"
     out: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(op)}
     params = _PARAM.findall(op.path)
-    if params:
-        out["parameters"] = [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
-            for p in params
-        ]
+    parameters = [
+        {"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+        for p in params
+    ]
+    if op.query is not None:
+        fields = op.query.model_json_schema()["properties"]
+        parameters += [{"name": n, "in": "query", "required": False, "schema": f} for n, f in fields.items()]
+    if parameters:
+        out["parameters"] = parameters
     if op.body is not None:
         out["requestBody"] = {
             "required": True,

@@ -1,45 +1,23 @@
-"""Pin lookup, forgetting and statistics over either affinity store (memory or Redis).
+"""Pin lookup, forgetting and statistics for the admin API, over the ``AffinityStore`` port (either store).
 
-Kept out of the ``AffinityStore`` port on purpose: the request path never needs these, and the port's
-cost contract (at most two round trips a request) stays what it is.
+The port's ``pin``/``forget`` are admin-only: the request path never calls them, so the port's cost
+contract (at most two round trips a request) does not cover them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from gateway.state import AffinityStore, Pin
 
-from gateway.redis_store import RedisAffinityStore
-from gateway.state import AffinityStore, MemoryAffinityStore
-
-
-@dataclass(frozen=True, slots=True)
-class Pin:
-    backend: str
-    expires_in_s: float | None
+__all__ = ["Pin", "counts", "forget", "lookup"]
 
 
 async def lookup(store: AffinityStore, key: str) -> Pin | None:
-    if isinstance(store, RedisAffinityStore):
-        found = await store.pin(key)
-        return None if found is None else Pin(*found)
-    if isinstance(store, MemoryAffinityStore):
-        now = store.clock()
-        backend = store.table.get(key, now)
-        entry = store.table.entry(key)
-        if backend is None or entry is None:
-            return None
-        return Pin(backend, max(0.0, entry[1] - now))
-    return None
+    return await store.pin(key)
 
 
 async def forget(store: AffinityStore, key: str) -> str | None:
     """Drop the pin of ``key``; the backend it named, or None if there was none."""
-    if isinstance(store, RedisAffinityStore):
-        return await store.forget(key)
-    if isinstance(store, MemoryAffinityStore):
-        store.table.expire(store.clock())
-        return store.table.forget(key)
-    return None
+    return await store.forget(key)
 
 
 async def counts(store: AffinityStore) -> dict[str, int]:

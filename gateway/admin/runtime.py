@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from backends.changes import ChangeKind
 from backends.events import Command, Operator
 from backends.registry import Backend
 from config.settings import BackendConfig
-from gateway.redis_store import RedisAffinityStore
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.admin.ports import AdminPorts
 
 log = logging.getLogger("warmroute.admin")
 
@@ -33,7 +30,7 @@ class Removal:
 
 @dataclass(slots=True)
 class LocalChanges:
-    gw: Gateway
+    gw: AdminPorts
     #: Backends this replica runs that were added at runtime (the rest came from the config file).
     runtime_ids: set[str] = field(default_factory=set)
 
@@ -55,8 +52,7 @@ class LocalChanges:
         backend = await gw.fleet.remove(backend_id)  # from now on no request is routed there
         await gw.health.unwatch(backend_id)
         self._share_counts()
-        if isinstance(gw.store, RedisAffinityStore):
-            await gw.store.forget_backend(backend_id)
+        await gw.store.forget_backend(backend_id)
         gw.metrics.forget_backend(backend_id)
         closed = gw.transport.close_origin(backend.cfg.url)
         self.runtime_ids.discard(backend_id)
@@ -76,10 +72,9 @@ class LocalChanges:
     def reconfigure(self, cfg: BackendConfig) -> Backend:
         """A config change that needs no restart (weight); ValueError if it changes url or models."""
         backend = self.gw.registry.reconfigure(cfg)
+        self.gw.changes.notify(ChangeKind.RECONFIGURED, cfg.id)
         log.warning("backend %s reconfigured at runtime (weight %g)", cfg.id, cfg.weight)
         return backend
 
     def _share_counts(self) -> None:
-        store = self.gw.store
-        if isinstance(store, RedisAffinityStore):
-            store.set_backends(list(self.gw.registry.backends))
+        self.gw.store.backends_changed(list(self.gw.registry.backends))

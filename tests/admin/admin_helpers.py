@@ -27,6 +27,26 @@ def until(check: Callable[[], bool], timeout: float = 10.0, what: str = "conditi
         time.sleep(0.02)
 
 
+def until_announced(
+    url: str, check: Callable[[], bool], what: str, timeout: float = 10.0, **kwargs: Any
+) -> None:
+    """Wait for a state a gateway (in another process or thread) announces: re-check after each change
+    it reports on its ``GET /admin/changes`` long poll. ``kwargs`` go to each request (the token)."""
+    deadline = time.monotonic() + timeout
+    version = 0  # a change between a check and the next poll makes that poll answer at once
+    while not check():
+        left = deadline - time.monotonic()
+        assert left > 0, f"{what} not reached within {timeout} s"
+        r = httpx.get(
+            url + "/admin/changes",
+            params={"since": version, "wait_s": min(left, 30.0)},
+            timeout=left + 5,
+            **kwargs,
+        )
+        assert r.status_code == 200, r.text
+        version = r.json()["version"]
+
+
 def chat_body(conv: str, turn: int = 0, model: str = "m") -> dict[str, Any]:
     messages: list[dict[str, Any]] = [SYS, {"role": "user", "content": conv}]
     for j in range(turn):

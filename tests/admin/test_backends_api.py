@@ -15,8 +15,8 @@ from backends.sim.config import SimConfig
 from config.settings import load_settings
 from gateway.app import create_app
 
-from admin_helpers import chat, metric_lines, state_of, until
-from clusters import ClusterFactory
+from admin_helpers import chat, metric_lines, until
+from clusters import Cluster, ClusterFactory
 from upstreams import FakeEngine, serve
 
 
@@ -55,7 +55,7 @@ def test_added_backend_takes_traffic_after_its_canary(cluster: ClusterFactory) -
         body = r.json()
         assert body["backend"]["id"] == "c" and body["backend"]["source"] == "runtime"
         assert body["propagated"] is None  # no Redis configured: this replica only, and nothing failed
-        until(lambda: state_of(c.url, "c") == "ready", what="c ready")
+        c.wait_for(lambda: _state(c, "c") == "ready", "c ready")
         assert extra.canaries == 2  # the consistency canary asks twice before admitting it
         answer = httpx.post(
             c.url + "/v1/chat/completions",
@@ -299,11 +299,17 @@ def test_removing_a_managed_backend_stops_its_process(cluster: ClusterFactory) -
     with serve(engine.app()) as (url, _server):
         body = {"id": "e", "url": url, "models": ["m"], "managed": {"command": ["sleep", "600"]}}
         assert admin(c.url, "POST", "/backends", json=body).status_code == 201
-        until(lambda: state_of(c.url, "e") == "ready", what="managed e ready")
+        c.wait_for(lambda: _state(c, "e") == "ready", "managed e ready")
         pid = admin(c.url, "GET", "/backends/e").json()["managed"]["pid"]
         assert isinstance(pid, int) and os.path.exists(f"/proc/{pid}")
         assert admin(c.url, "DELETE", "/backends/e").status_code == 200
         until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), what="engine process stopped")
+
+
+def _state(c: Cluster, backend_id: str) -> str | None:
+    """The state the admin API reports for a backend (read on the gateway's loop)."""
+    backend = c.gateway.registry.backends.get(backend_id)
+    return None if backend is None else backend.state.value
 
 
 def _zombie(pid: int) -> bool:

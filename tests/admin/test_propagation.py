@@ -13,12 +13,13 @@ import httpx
 from tools.procs import child, free_port, ok, python, wait_http
 from tools.redis_server import RedisServer
 
-from admin_helpers import chat, until
+from admin_helpers import chat, until_announced
 from upstreams import FakeEngine, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "replica-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+A = {"headers": AUTH}
 
 
 @contextlib.contextmanager
@@ -71,7 +72,7 @@ def test_a_change_on_one_replica_reaches_the_other(
             json={"id": "c", "url": urls["c"], "models": ["m"], "weight": 2},
         )
         assert added.status_code == 201 and added.json()["propagated"] is True
-        until(lambda: backends(two).get("c", {}).get("state") == "ready", what="c ready on replica 2")
+        until_announced(two, lambda: backends(two).get("c", {}).get("state") == "ready", "c ready on 2", **A)
         assert backends(two)["c"]["source"] == "runtime" and backends(two)["c"]["weight"] == 2.0
         on_c = next(conv for conv in (f"conv-{i}" for i in range(40)) if served_by(two, conv) == "c")
         r = redis_server.client()
@@ -79,13 +80,13 @@ def test_a_change_on_one_replica_reaches_the_other(
 
         # 2. Drain on replica 1: draining on replica 2; undrain comes back the same way.
         assert httpx.post(one + "/admin/backends/a/drain", headers=AUTH).json()["propagated"] is True
-        until(lambda: backends(two)["a"]["state"] == "draining", what="a draining on replica 2")
+        until_announced(two, lambda: backends(two)["a"]["state"] == "draining", "a draining on 2", **A)
         httpx.post(one + "/admin/backends/a/undrain", headers=AUTH)
-        until(lambda: backends(two)["a"]["state"] == "ready", what="a ready again on replica 2")
+        until_announced(two, lambda: backends(two)["a"]["state"] == "ready", "a ready again on 2", **A)
 
         # 3. Weight on replica 1.
         httpx.patch(one + "/admin/backends/b", headers=AUTH, json={"weight": 5})
-        until(lambda: backends(two)["b"]["weight"] == 5.0, what="b's weight on replica 2")
+        until_announced(two, lambda: backends(two)["b"]["weight"] == 5.0, "b's weight on 2", **A)
 
         # 4. A replica started after the changes comes up with them.
         three = stack.enter_context(replica(config))
@@ -95,7 +96,7 @@ def test_a_change_on_one_replica_reaches_the_other(
         removed = httpx.delete(two + "/admin/backends/c", headers=AUTH)
         assert removed.status_code == 200 and removed.json()["propagated"] is True
         for url in (one, three):
-            until(lambda url=url: "c" not in backends(url), what=f"c gone on {url}")
+            until_announced(url, lambda url=url: "c" not in backends(url), f"c gone on {url}", **A)
         assert r.exists(f"{redis_prefix}convs:c") == 0
         turn = chat(one, on_c, 1)
         assert (turn.headers["x-warmroute-route"], turn.headers["x-warmroute-backend"] in ("a", "b")) == (

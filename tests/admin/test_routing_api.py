@@ -130,7 +130,13 @@ def test_openapi_document_lists_every_admin_route(cluster: ClusterFactory) -> No
     assert doc["openapi"] == "3.1.0"
     listed = {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
     assert listed == {(op.method, op.openapi_path) for op in c.gateway.admin.operations}  # type: ignore[union-attr]
-    assert len(listed) == 17  # 15, plus the on-demand hold and its release
+    assert len(listed) == 18  # 15, plus the on-demand hold and its release, and the changes long poll
+    params = doc["paths"]["/admin/changes"]["get"]["parameters"]
+    assert [(p["name"], p["in"], p["required"]) for p in params] == [
+        ("since", "query", False),
+        ("wait_s", "query", False),
+    ]
+    assert params[1]["schema"]["maximum"] == 30.0
     add = doc["paths"]["/admin/backends"]["post"]
     assert add["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/BackendConfig"

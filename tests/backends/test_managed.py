@@ -303,9 +303,11 @@ async def test_operator_commands_and_events_sent_from_on_change_are_applied_in_o
         return CanaryResult(True, None, None, "ok")
 
     seen: list[BackendState] = []
+    watcher = Watcher()
 
     def on_change(lc: Lifecycle) -> None:
         seen.append(lc.state)
+        watcher(lc)
         if lc.state is S.READY:
             ctl.send(Operator(Command.CORDON))  # re-entrant: queued, applied after this one
 
@@ -313,7 +315,7 @@ async def test_operator_commands_and_events_sent_from_on_change_are_applied_in_o
     ctl.send(Operator(Command.DRAIN))
     ctl.send(ProbeOk())
     ctl.send(Operator(Command.UNDRAIN))
-    await eventually(lambda: ctl.lifecycle.state is not S.CANARY)
+    await watcher.until(lambda: ctl.lifecycle.state is not S.CANARY, within=5)
     assert seen == [S.CANARY, S.READY, S.CORDONED]
     await ctl.aclose()
 
@@ -337,9 +339,10 @@ def test_policy_for_reads_health_canary_and_managed_sections() -> None:
 async def test_from_settings_uses_the_backends_canary() -> None:
     cfg = BackendConfig(id="a", url="http://a", models=("m",), canary=CanaryConfig(enabled=False))
     async with httpx.AsyncClient() as client:
-        ctl = BackendController.from_settings(cfg, Settings(), client)
+        watcher = Watcher()
+        ctl = BackendController.from_settings(cfg, Settings(), client, on_change=watcher)
         ctl.send(ProbeOk())
-        await eventually(lambda: ctl.lifecycle.state is not S.CANARY)
+        await watcher.until(lambda: ctl.lifecycle.state is not S.CANARY, within=5)
         assert ctl.lifecycle.state is S.READY
         assert ctl.status()["canary"]["reason"] == "no canary checks configured"
         await ctl.aclose()

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from backends.changes import Change, ChangeKind
 from config.settings import RedisConfig, RoutingConfig
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from routing.types import Decision, PinAction, Reason
@@ -200,3 +201,32 @@ async def test_pins_survive_a_redis_restart_that_lost_everything(
     assert (await b.view("during")).pinned == "y"
     assert (await b.view("before")).pinned == "x"
     assert (await b.view(None)).conversations == {"x": 1, "y": 1}
+
+
+async def test_pins_claimed_or_moved_are_announced_a_touch_or_another_replicas_pin_is_not(
+    stores: StoreFactory,
+) -> None:
+    a, b = stores(), stores()
+    async with a.changes.subscribe() as events:
+        assert await a.commit("k", decide("x")) == "x"
+        await a.commit("k", Decision("x", Reason.AFFINITY_HIT, PinAction.TOUCH))
+        await a.commit("k", decide("y", PinAction.MOVE))
+        assert await b.commit("k2", decide("y")) == "y"  # the other replica's pin: announced there only
+        assert await a.commit("k2", decide("x")) == "y"  # a lost claim announces the winner
+        assert events.pending() == [
+            Change(1, ChangeKind.PIN, "k", "x"),
+            Change(2, ChangeKind.PIN, "k", "y"),
+            Change(3, ChangeKind.PIN, "k2", "y"),
+        ]
+    assert b.changes.version == 1
+
+
+async def test_a_degraded_store_announces_its_local_pins_too(stores: StoreFactory) -> None:
+    store = stores(url=f"redis://127.0.0.1:{free_port()}/0")
+    await store.start()
+    assert store.status()["degraded"] is True
+    async with store.changes.subscribe() as events:
+        assert await store.commit("k", decide("x")) == "x"
+        await store.commit("k", Decision("x", Reason.AFFINITY_HIT, PinAction.TOUCH))
+        await store.commit("k", decide("y", PinAction.MOVE))
+        assert events.pending() == [Change(1, ChangeKind.PIN, "k", "x"), Change(2, ChangeKind.PIN, "k", "y")]

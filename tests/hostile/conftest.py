@@ -16,6 +16,7 @@ from config.settings import load_settings
 from gateway.app import Gateway, create_app
 from gateway.server import uvicorn_config
 
+from clusters import loop_of, wait_on_loop
 from upstreams import FakeEngine, serve, served
 
 #: Small enough that a test waiting for a deadline takes a second, not ten.
@@ -33,6 +34,10 @@ class HostileGateway:
 
     def open_connections(self) -> int:
         return len(self.server.server_state.connections)
+
+    def wait_for(self, predicate: Callable[[], object], what: str, within: float = 10.0) -> None:
+        """Wait for a state the gateway announces (``Gateway.changes``), re-checked on its own loop."""
+        wait_on_loop(self.gateway, loop_of(self.server), predicate, what, within)
 
 
 HostileGatewayFactory = Callable[..., HostileGateway]

@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 import pytest
@@ -295,16 +295,9 @@ def test_a_trickling_health_endpoint_fails_its_probe_and_delays_no_other_backend
             health={"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
         )
         backends = c.gateway.registry.backends
-        until(lambda: backends["slow"].state.value == "down", 5)
+        c.wait_for(lambda: backends["slow"].state.value == "down", "slow down", 5)
         sick.healthy = True  # a restarted engine answering 200 is READY again within a probe interval or two
         t = time.monotonic()
-        until(lambda: backends["ok"].state.value == "ready", 3)
+        c.wait_for(lambda: backends["ok"].state.value == "ready", "ok ready", 3)
         assert time.monotonic() - t < 1.5
         assert backends["slow"].state.value == "down"
-
-
-def until(check: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.02)

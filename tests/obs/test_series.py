@@ -135,7 +135,8 @@ def test_canary_failure_counted_by_the_failed_check(cluster: ClusterFactory) -> 
     c = cluster(
         engines=[FakeEngine("a"), FakeEngine("b", canary_answer="dup dup dup dup")], canary={"retry_s": 60}
     )
-    wait_for(lambda: c.gateway.fleet.controllers["b"].last_canary is not None)
+    # Its result is kept before the lifecycle hears it (CANARY -> DOWN: announced).
+    c.wait_for(lambda: c.gateway.fleet.controllers["b"].last_canary is not None, "b's canary ran")
     assert nonzero(c.url, "warmroute_canary_runs_total") == {
         labels(backend="a", check="all", result="pass"): 1,
         labels(backend="b", check="consistency", result="fail"): 1,
