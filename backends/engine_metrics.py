@@ -16,16 +16,13 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 
 from backends.dialects import DIALECTS, SignalNames
+from backends.registry import Backend, Registry
+from backends.signals import EngineSignals
 from config.settings import Dialect
-
-if TYPE_CHECKING:
-    from backends.registry import Backend, Registry
 
 _VLLM = DIALECTS[Dialect.VLLM].metrics
 PREFIX_QUERIES = _VLLM.prefix_queries[0]
@@ -79,33 +76,6 @@ async def scrape(
 # -- engine signals for routing ---------------------------------------------------------------------------
 # The names per engine are its dialect's (backends/dialects.py); a backend is read under its own dialect's.
 ANY_ENGINE = DIALECTS[Dialect.OPENAI].metrics  # every known engine's names: the generic dialect's
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSignals:
-    """What one scrape of an engine's ``/metrics`` said; None: the engine does not report it."""
-
-    at: float  # monotonic time of the scrape
-    waiting: float | None = None
-    running: float | None = None
-    kv_usage: float | None = None  # 0..1
-    prefix_queries: float | None = None  # counters (tokens): hit rate is a ratio of their deltas
-    prefix_hits: float | None = None
-    prefix_hit_rate: float | None = None  # engines that report the ratio itself (SGLang)
-    spec_accepted: float | None = None  # counters (tokens)
-    spec_draft: float | None = None
-    spec_accept_length: float | None = None  # SGLang's gauge
-
-    def fresh(self, now: float, max_age_s: float) -> bool:
-        return now - self.at <= max_age_s
-
-    def readings(self) -> list[tuple[str, float]]:
-        """(name, value) of every signal the engine reported; counters are named with ``_total``."""
-        names = ("waiting", "running", "kv_usage", "prefix_hit_rate", "spec_accept_length")
-        counters = ("prefix_queries", "prefix_hits", "spec_accepted", "spec_draft")
-        out = [(n, v) for n in names if (v := getattr(self, n)) is not None]
-        out += [(n + "_total", v) for n in counters if (v := getattr(self, n)) is not None]
-        return out
 
 
 def _first(samples: Mapping[str, float], names: tuple[str, ...]) -> float | None:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from backends.engine_metrics import EngineSignals
+from backends.signals import EngineSignals
 from config.settings import BackendConfig
 from routing.types import BackendState, Candidate
 

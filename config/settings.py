@@ -520,7 +520,7 @@ class ServerConfig(_Section):
     port: int = Field(default=8080, ge=0, le=65535, description="Port of the API listener")
     workers: int = Field(default=1, ge=1, description="Worker processes; more than 1 needs redis.url")
     log_level: str = Field(default="info", description="debug, info, warning, error")
-    # What one client may do to the server (per worker process); see gateway/server.py.
+    # What one client may do to the server (per worker process); see gateway/server_protocol.py.
     header_timeout_s: float = Field(
         default=10.0, gt=0, description="From accept (or the next request's first byte) to a complete head"
     )

@@ -1,7 +1,9 @@
 """One HTTP/1.1 client connection: request framing, and the response parsed by httptools as it arrives.
 
 ``gateway.upstream`` pools these; nothing else uses them. The connection records the state of the exchange in
-progress (head, queued body chunks, completion, error) and wakes whoever waits on it; it never awaits.
+progress (head, queued body chunks, completion, error) and wakes whoever waits on it; it never awaits. It
+knows nothing of the pool: it is given the origin's name (for its errors), its head limits and the set of
+open connections it belongs to while its socket is open.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import re
 import select
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import NoReturn, cast
 
 import httptools
 
@@ -20,9 +22,6 @@ from gateway.transport import (
     UpstreamResponseHeadTooLarge,
     UpstreamStaleConnection,
 )
-
-if TYPE_CHECKING:
-    from gateway.upstream import Origin, UpstreamPool
 
 READ_HIGH_WATER = 64 * 1024  # body bytes waiting for the consumer before the socket is paused
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
@@ -40,14 +39,16 @@ class _AfterTheEnd(Exception):
 class Connection(asyncio.Protocol):
     """One keep-alive connection and the state of the exchange in progress on it (fed by httptools)."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
-        self.pool = pool
-        self.origin = origin
+    def __init__(
+        self, origin: str, open_conns: set[Connection], *, max_head_bytes: int, max_headers: int
+    ) -> None:
+        self.origin = origin  # scheme://host[:port][/prefix], as the pool was asked for it
+        self.open_conns = open_conns  # joined in connection_made, left in connection_lost
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self.paused = False
-        self.max_head_bytes = pool._max_head_bytes
-        self.max_headers = pool._max_headers
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self._begin(None, reused=False, head_only=False)
 
     def _begin(self, parser: httptools.HttpResponseParser | None, *, reused: bool, head_only: bool) -> None:
@@ -139,7 +140,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
-        self.pool._conns.add(self)
+        self.open_conns.add(self)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser
@@ -163,7 +164,7 @@ class Connection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             bad = UpstreamReadError if self.head_done else UpstreamProtocolError
-            self._fail(bad(f"malformed response from {self.origin.name}: {exc}"))
+            self._fail(bad(f"malformed response from {self.origin}: {exc}"))
             return
         if self.chunks or self.complete:
             self._wake()
@@ -179,15 +180,15 @@ class Connection(asyncio.Protocol):
             if self.error is None:
                 self.data_received(data[allowed:])  # body bytes: no head limit applies any more
         elif self.error is None:
-            where = self.origin.name
+            where = self.origin
             self._fail(UpstreamResponseHeadTooLarge(f"{where} sent over {self.max_head_bytes} bytes of head"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.pool._conns.discard(self)
+        self.open_conns.discard(self)
         if self.parser is None or self.complete or self.error is not None:
             self._wake()
             return
-        where = self.origin.name
+        where = self.origin
         if not self.head_done:
             if self.reused and not self.got_bytes:
                 self.error = UpstreamStaleConnection(
@@ -212,7 +213,7 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         headers = self.headers
         if len(headers) >= self.max_headers:
-            error = UpstreamResponseHeadTooLarge(f"{self.origin.name} sent over {self.max_headers} headers")
+            error = UpstreamResponseHeadTooLarge(f"{self.origin} sent over {self.max_headers} headers")
             self._fail(error)
             raise error  # stops the parser; data_received keeps the error already recorded
         headers.append((name.lower(), value))
@@ -221,7 +222,7 @@ class Connection(asyncio.Protocol):
         assert self.parser is not None
         status = self.parser.get_status_code()
         if not 100 <= status <= 599:  # llhttp takes any three digits
-            self._stop(UpstreamProtocolError(f"{self.origin.name} answered with status {status:03d}"))
+            self._stop(UpstreamProtocolError(f"{self.origin} answered with status {status:03d}"))
         if status < 200:  # informational (103 Early Hints): llhttp goes on to the real response
             return
         self.status = status
@@ -238,7 +239,7 @@ class Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if not self.head_done:  # llhttp reads a body that a 1xx or 0xx head announces
-            self._stop(UpstreamProtocolError(f"{self.origin.name} sent a body with an interim response"))
+            self._stop(UpstreamProtocolError(f"{self.origin} sent a body with an interim response"))
         if self.complete:  # bytes after a HEAD response
             self.extra = True
             return

@@ -109,10 +109,12 @@ class Origin:
 class UpstreamResponse:
     """A response whose head is parsed; stream the body with ``aiter_raw()``, then always ``aclose()``."""
 
-    __slots__ = ("_conn", "headers", "status")
+    __slots__ = ("_conn", "_dest", "_pool", "headers", "status")
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, dest: Origin, pool: UpstreamPool) -> None:
         self._conn: Connection | None = conn
+        self._dest = dest
+        self._pool = pool
         self.status = conn.status
         self.headers = conn.headers  # names lower-cased
 
@@ -149,13 +151,13 @@ class UpstreamResponse:
         conn = self._conn
         if conn is not None:
             self._conn = None
-            conn.pool._finish(conn)
+            self._pool._finish(conn, self._dest)
 
     def __del__(self) -> None:
         conn = self._conn
         if conn is not None:  # dropped without aclose(): a caller's bug, but it must not cost a permit
             self._conn = None
-            conn.pool._abandoned(conn)
+            self._pool._abandoned(conn, self._dest)
 
 
 class UpstreamPool:
@@ -238,7 +240,7 @@ class UpstreamPool:
 
     def connections(self, origin: str) -> int:
         """Open connections (idle or busy) to ``origin``."""
-        return sum(1 for c in self._conns if c.origin.name == origin)
+        return sum(1 for c in self._conns if c.origin == origin)
 
     async def _wait_for_permit(self, dest: Origin, wait_s: float) -> None:
         try:
@@ -256,17 +258,17 @@ class UpstreamPool:
         conn = self._checkout(dest)
         if conn is not None:
             try:
-                return await self._send(conn, data, body, reused=True, head_only=head_only)
+                return await self._send(dest, conn, data, body, reused=True, head_only=head_only)
             except UpstreamStaleConnection:
                 # Most likely the server's idle close crossed the request, but it may have been working on
                 # it: only a method that is safe to run twice is sent again (RFC 9112 §9.3.1).
                 if method not in IDEMPOTENT_METHODS:
                     raise
         conn = await self._connect(dest)
-        return await self._send(conn, data, body, reused=False, head_only=head_only)
+        return await self._send(dest, conn, data, body, reused=False, head_only=head_only)
 
     async def _send(
-        self, conn: Connection, data: bytes, body: bytes, *, reused: bool, head_only: bool
+        self, dest: Origin, conn: Connection, data: bytes, body: bytes, *, reused: bool, head_only: bool
     ) -> UpstreamResponse:
         waiter = conn.start(data, body, reused=reused, head_only=head_only)
         try:
@@ -278,7 +280,7 @@ class UpstreamPool:
             conn.abort()
             assert conn.error is not None
             raise conn.error
-        return UpstreamResponse(conn)
+        return UpstreamResponse(conn, dest, self)
 
     def _checkout(self, dest: Origin) -> Connection | None:
         idle = dest.idle
@@ -298,8 +300,7 @@ class UpstreamPool:
             return conn
         return None
 
-    def _finish(self, conn: Connection) -> None:
-        dest = conn.origin
+    def _finish(self, conn: Connection, dest: Origin) -> None:
         dest.permits.release()
         if self._closed or self._origins.get(dest.name) is not dest:  # closed, or its origin was removed
             conn.abort()
@@ -313,22 +314,24 @@ class UpstreamPool:
         while idle and (idle[0].closing or now - idle[0].idle_since > self._idle_timeout):
             idle.popleft().abort()
 
-    def _abandoned(self, conn: Connection) -> None:
+    def _abandoned(self, conn: Connection, dest: Origin) -> None:
         """A response was garbage-collected unclosed: abort its connection and give its permit back."""
         self.leaked_responses += 1
         if self.leaked_responses == 1:  # once per pool: a leak on the hot path would flood the log
             log.warning(
-                "a response from %s was dropped without aclose(); its connection is aborted", conn.origin.name
+                "a response from %s was dropped without aclose(); its connection is aborted", dest.name
             )
         try:
             conn.abort()
-            conn.origin.permits.release()
+            dest.permits.release()
         except RuntimeError:  # the event loop is already closed (interpreter exit): nothing waits any more
             pass
 
     async def _connect(self, dest: Origin) -> Connection:
         loop = asyncio.get_running_loop()
-        conn = Connection(self, dest)
+        conn = Connection(
+            dest.name, self._conns, max_head_bytes=self._max_head_bytes, max_headers=self._max_headers
+        )
         server_hostname = dest.host if dest.ssl is not None else None
         try:
             async with asyncio.timeout(self._connect_timeout):

@@ -13,6 +13,16 @@ def routable(candidates: Iterable[Candidate], exclude: frozenset[str] = frozense
     return [c for c in candidates if c.routable and c.id not in exclude]
 
 
+def find(candidates: Iterable[Candidate], backend: str | None) -> Candidate | None:
+    """The candidate for ``backend`` (a pin's, say), routable or not; None for no backend or one not there."""
+    if backend is None:
+        return None
+    for c in candidates:
+        if c.id == backend:
+            return c
+    return None
+
+
 def tie_break(key: str, backend: str) -> int:
     """Rendezvous hash: equal loads resolve the same way on every replica, but differently per key."""
     return rendezvous(key_seed(key), backend)

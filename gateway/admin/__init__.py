@@ -1,6 +1,7 @@
 """The admin plane under ``/admin``: a JSON API over the running gateway, with its OpenAPI document.
 
-- ``api``: handlers and the operation table; ``openapi``: the document generated from that table and the
+- ``api``: the backend handlers, the change long poll and the operation table; ``routing_api``: the
+  routing dry run, pin and affinity handlers; ``openapi``: the document generated from that table and the
   pydantic models (``models``); ``body``: safe body reading and responses;
 - ``runtime``: backend changes applied to this replica; ``sync``: the Redis change feed that carries them
   to the other replicas; ``explain``: the routing dry run; ``pins``: pin lookups over either store;
@@ -20,6 +21,7 @@ from gateway.admin.api import AdminApi, operations
 from gateway.admin.explain import Explainer
 from gateway.admin.openapi import Operation, document
 from gateway.admin.ports import AdminPorts
+from gateway.admin.routing_api import RoutingApi
 from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
 
@@ -37,8 +39,9 @@ class Admin:
                 channel.redis, channel.keys, self.local, admin.sync_interval_s, admin.allow_managed
             )
         explainer = Explainer(ports.registry, ports.store, ports.policy, ports.endpoints, ports.feedback)
-        self.api = AdminApi(ports, explainer, self.feed, self.local)
-        self.operations: list[Operation] = operations(self.api)
+        self.api = AdminApi(ports, self.feed, self.local)
+        self.routing_api = RoutingApi(ports, explainer)
+        self.operations: list[Operation] = operations(self.api, self.routing_api)
         self._document: dict[str, object] | None = None
 
     @property

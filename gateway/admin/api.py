@@ -1,4 +1,5 @@
-"""The admin API's handlers and its operation table (routes and OpenAPI document come from the table).
+"""The admin API's backend handlers, the change long poll, and the operation table (routes and OpenAPI
+document come from the table; the routing handlers' entries are ``gateway.admin.routing_api``'s).
 
 Every change is applied to this replica first (``LocalChanges``), then published for the others
 (``ChangeFeed``, when Redis is configured); one lock orders changes and the feed's polls.
@@ -20,7 +21,6 @@ from backends.engine_metrics import CACHE_COUNTERS, QUEUE_GAUGES, scrape
 from backends.events import Command
 from backends.registry import Backend
 from config.settings import BackendConfig
-from gateway.admin import pins
 from gateway.admin.body import (
     Conflict,
     UnknownBackend,
@@ -29,9 +29,7 @@ from gateway.admin.body import (
     read_model,
     validate,
 )
-from gateway.admin.explain import Explainer
 from gateway.admin.models import (
-    AffinityStats,
     BackendList,
     BackendPatch,
     BackendView,
@@ -39,27 +37,20 @@ from gateway.admin.models import (
     ChangeResult,
     ChangesQuery,
     ChangesView,
-    ExplainRequest,
-    Explanation,
-    Forgotten,
     HoldRequest,
     HoldResult,
-    PinView,
     Removed,
 )
 from gateway.admin.openapi import Handler, Operation
 from gateway.admin.ports import AdminPorts
+from gateway.admin.routing_api import RoutingApi, routing_operations
 from gateway.admin.runtime import LocalChanges
 from gateway.admin.sync import ChangeFeed
-from gateway.errors import NotFound
 from gateway.state import StoreView
 from gateway.vision import no_embeds
-from routing.types import Reason
 
 ENGINE_SERIES = (*QUEUE_GAUGES, *CACHE_COUNTERS)
 SCRAPE_TIMEOUT_S = 1.0
-_AFFINITY_REASONS = (Reason.AFFINITY_HIT, Reason.SPILL_OVERLOAD, Reason.REPIN_UNHEALTHY, Reason.REPIN_REMOVED)
-_NEW_OR_MOVED = (Reason.NEW_LEAST_LOADED, Reason.NEW_CHEAPEST, Reason.MOVE_CHEAPER)  # both policies' misses
 _COMMANDS = (Command.DRAIN, Command.UNDRAIN, Command.CORDON, Command.UNCORDON, Command.RESET)
 _FLAGS = {
     Command.DRAIN: ("drained", True),
@@ -70,11 +61,8 @@ _FLAGS = {
 
 
 class AdminApi:
-    def __init__(
-        self, gw: AdminPorts, explainer: Explainer, feed: ChangeFeed | None, local: LocalChanges
-    ) -> None:
+    def __init__(self, gw: AdminPorts, feed: ChangeFeed | None, local: LocalChanges) -> None:
         self.gw = gw
-        self.explainer = explainer
         self.feed = feed
         self.local = local
         self.limit = gw.admin.max_body_bytes
@@ -198,44 +186,6 @@ class AdminApi:
         )
         return json_response(run)
 
-    # -- routing --------------------------------------------------------------------------------------
-
-    async def explain(self, request: Request) -> Response:
-        req = await read_model(request, ExplainRequest, self.limit)
-        return json_response(await self.explainer.explain(req))
-
-    async def get_pin(self, request: Request) -> Response:
-        key = request.path_params["key"]
-        pin = await pins.lookup(self.gw.store, key)
-        if pin is None:
-            raise NotFound(f"no pin for conversation {key!r}", param="key")
-        present = pin.backend in self.gw.registry.backends
-        return json_response(
-            PinView(key=key, backend=pin.backend, expires_in_s=pin.expires_in_s, backend_configured=present)
-        )
-
-    async def forget_pin(self, request: Request) -> Response:
-        key = request.path_params["key"]
-        backend = await pins.forget(self.gw.store, key)
-        if backend is None:
-            raise NotFound(f"no pin for conversation {key!r}", param="key")
-        return json_response(Forgotten(key=key, backend=backend))
-
-    async def affinity(self, _request: Request) -> Response:
-        per_backend = await pins.counts(self.gw.store)
-        decisions = {r.value: n for r, n in self.gw.metrics.tally.decisions.items()}
-        routed = sum(decisions[r.value] for r in (*_AFFINITY_REASONS, *_NEW_OR_MOVED))
-        status = self.gw.store.status()
-        stats = AffinityStats(
-            store=str(status.get("backend")),
-            degraded=bool(status.get("degraded")),
-            pins=sum(per_backend.values()),
-            per_backend=per_backend,
-            decisions=decisions,
-            hit_rate=decisions[Reason.AFFINITY_HIT.value] / routed if routed else None,
-        )
-        return json_response(stats)
-
     # -- changes ------------------------------------------------------------------------------------
 
     async def changes(self, request: Request) -> Response:
@@ -351,7 +301,7 @@ def _is_on_demand(cfg: BackendConfig) -> bool:
     return cfg.managed is not None and cfg.managed.on_demand
 
 
-def operations(api: AdminApi) -> list[Operation]:
+def operations(api: AdminApi, routing: RoutingApi) -> list[Operation]:
     ops = [
         Operation(
             "GET", "/backends", api.list_backends, "Every backend with its state and load", BackendList
@@ -425,20 +375,7 @@ def operations(api: AdminApi) -> list[Operation]:
             HoldResult,
             errors=(404, 409),
         ),
-        Operation(
-            "POST",
-            "/route/explain",
-            api.explain,
-            "Where would this go, and why (dry run)",
-            Explanation,
-            ExplainRequest,
-            errors=(400, 413, 422),
-        ),
-        Operation("GET", "/pins/{key}", api.get_pin, "A conversation's pin", PinView, errors=(404,)),
-        Operation(
-            "DELETE", "/pins/{key}", api.forget_pin, "Forget a conversation's pin", Forgotten, errors=(404,)
-        ),
-        Operation("GET", "/affinity", api.affinity, "Affinity statistics", AffinityStats),
+        *routing_operations(routing),
         Operation(
             "GET",
             "/changes",

@@ -14,7 +14,7 @@ least ``spill_min_in_flight`` requests in flight (so one long request on an idle
 
 from __future__ import annotations
 
-from routing.load import in_flight_per_weight, least_loaded, routable
+from routing.load import find, in_flight_per_weight, least_loaded, routable
 from routing.params import RoutingParams
 from routing.types import NO_BACKEND, Candidate, Candidates, Decision, PinAction, Reason, RouteRequest
 
@@ -37,7 +37,7 @@ class AffinityPolicy:
             # the pin there, or every later turn pays the pinned backend's failure first.
             moved = request.pinned is not None and request.pinned in request.exclude
             return Decision(best.id, Reason.RETRY_NEXT, PinAction.MOVE if moved else PinAction.NONE)
-        pinned = _find(candidates, request.pinned)
+        pinned = find(candidates, request.pinned)
         if pinned is not None and pinned.routable:
             others = [c for c in ready if c.id != pinned.id]
             if not self._overloaded(pinned, others):
@@ -58,12 +58,3 @@ class AffinityPolicy:
             return False
         mean = sum(in_flight_per_weight(c) for c in others) / len(others)
         return in_flight_per_weight(pinned) > self.spill_factor * mean
-
-
-def _find(candidates: Candidates, backend: str | None) -> Candidate | None:
-    if backend is None:
-        return None
-    for c in candidates:
-        if c.id == backend:
-            return c
-    return None

@@ -20,7 +20,7 @@ Ties go by the rendezvous tie-break, so every replica given the same snapshot de
 from __future__ import annotations
 
 from routing.cost import cost, total_s, uncached_tokens
-from routing.load import key_seed, rendezvous
+from routing.load import find, key_seed, rendezvous
 from routing.params import RoutingParams
 from routing.types import (
     NO_BACKEND,
@@ -54,7 +54,7 @@ class TtftPolicy:
                 best, Reason.RETRY_NEXT, PinAction.MOVE if failed else PinAction.NONE, ready, request
             )
         home_id = request.pinned if request.pinned is not None else request.hint
-        home = _find(candidates, home_id)
+        home = find(candidates, home_id)
         if home is not None and home.routable:
             return self._from_home(home, ready, request)
         best = self._cheapest(ready, request)
@@ -115,12 +115,3 @@ class TtftPolicy:
 def _placed(request: RouteRequest) -> PinAction:
     """A pin that exists is moved; a twin hint was never stored, so it is claimed."""
     return PinAction.MOVE if request.pinned is not None else PinAction.CLAIM
-
-
-def _find(candidates: Candidates, backend: str | None) -> Candidate | None:
-    if backend is None:
-        return None
-    for c in candidates:
-        if c.id == backend:
-            return c
-    return None

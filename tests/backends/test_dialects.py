@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from backends.dialects import DIALECTS, REASONING_FIELDS, ApiShape, EngineDialect, SignalNames
-from backends.engine_metrics import EngineSignals, SignalScraper, parse_signals
+from backends.engine_metrics import SignalScraper, parse_signals
 from backends.registry import Registry
+from backends.signals import EngineSignals
 from config.settings import Dialect, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

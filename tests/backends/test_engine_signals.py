@@ -6,8 +6,9 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from backends.engine_metrics import EngineSignals, SignalScraper, parse_signals
+from backends.engine_metrics import SignalScraper, parse_signals
 from backends.registry import SIGNALS_MAX_AGE_S, Registry
+from backends.signals import EngineSignals
 from config.settings import load_settings
 from gateway.metrics import Metrics
 

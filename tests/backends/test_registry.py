@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from backends.engine_metrics import EngineSignals
 from backends.registry import SIGNALS_MAX_AGE_S, Registry
+from backends.signals import EngineSignals
 from config.settings import load_settings
 from routing.types import BackendState, Candidate
 

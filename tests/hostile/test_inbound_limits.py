@@ -12,7 +12,7 @@ import httpx
 import pytest
 from hostile_net import RawClient, get, post
 
-from gateway.server import HEALTHZ_RESERVE
+from gateway.server_protocol import HEALTHZ_RESERVE
 
 from conftest import HostileGatewayFactory, assert_one_line
 

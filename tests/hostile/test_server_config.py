@@ -7,14 +7,8 @@ import resource
 
 from config.settings import load_settings
 from gateway.app import ServingApp
-from gateway.server import (
-    FD_RESERVE,
-    GatewayConfig,
-    GatewayHttpProtocol,
-    InboundLimits,
-    ensure_fd_limit,
-    uvicorn_config,
-)
+from gateway.server import FD_RESERVE, GatewayConfig, ensure_fd_limit, uvicorn_config
+from gateway.server_protocol import GatewayHttpProtocol, InboundLimits
 
 BACKENDS = [{"id": i, "url": f"http://127.0.0.1:{9000 + n}", "models": ["m"]} for n, i in enumerate("ab")]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from routing.affinity import AffinityTable
+from routing.load import find
 from routing.params import RoutingParams
 from routing.policies import make_policy
 from routing.policies.affinity import AffinityPolicy
@@ -178,3 +179,12 @@ def test_round_robin_cycles_over_routable_backends() -> None:
 def test_make_policy_uses_the_configured_name() -> None:
     assert isinstance(make_policy(params(policy="round_robin")), RoundRobinPolicy)
     assert isinstance(make_policy(params()), AffinityPolicy)
+
+
+def test_find_names_the_pinned_candidate_routable_or_not() -> None:
+    down = cand("b", state=BackendState.DOWN)
+    candidates = (cand("a"), down)
+    assert find(candidates, "b") is down  # a policy then sees that its pin is down: repin_unhealthy
+    assert find(candidates, "a") is candidates[0]
+    assert find(candidates, "gone") is None
+    assert find(candidates, None) is None
