@@ -135,7 +135,8 @@ def _skips(name: str, counts: Counts | None, missing: bool) -> str:
     if counts is None or name not in counts.needs:
         return ""
     n = counts.needs[name]
-    return f" ({_tests(n)} {'skip' if missing else 'need it'})"
+    verb = ("skips" if missing else "needs it") if n == 1 else ("skip" if missing else "need it")
+    return f" ({_tests(n)} {verb})"
 
 
 def _tests(n: int) -> str:
@@ -144,7 +145,8 @@ def _tests(n: int) -> str:
 
 def _vision_line(installed: bool, counts: Counts | None) -> str:
     if installed:
-        n = "" if counts is None else f" ({_tests(counts.needs.get('vision', 0))} need it)"
+        vision = counts.needs.get("vision", 0) if counts is not None else 0
+        n = "" if counts is None else f" ({_tests(vision)} {'needs' if vision == 1 else 'need'} it)"
         return f"ok       vision extra  the CPU vision sidecar's torch and transformers{n}"
     n = "" if counts is None else f" ({counts.vision_modules_skipped} test files skip whole)"
     return f"absent   vision extra  the CPU vision sidecar's tests{n}: {VISION_FIX}"

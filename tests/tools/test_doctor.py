@@ -84,7 +84,7 @@ def test_full_report_lists_counts_and_the_apt_line() -> None:
     assert lines[1] == (
         "missing  redis-server  shared state: Redis store, replicas, compose stack (24 tests skip)"
     )
-    assert lines[3] == "ok       chromium      the status page rendered headless (1 test need it)"
+    assert lines[3] == "ok       chromium      the status page rendered headless (1 test needs it)"
     assert lines[5] == "missing  wrk           the proxy micro-benchmark (2 tests skip)"
     assert lines[7] == "missing  python3-venv  python3 -m venv (the Makefile's virtualenv)"
     assert lines[8].startswith(
