@@ -187,3 +187,17 @@ def test_a_new_shape_renders_its_own_errors(cluster: ClusterFactory) -> None:
     c.wait_idle()
     lines = httpx.get(c.url + "/metrics").text.splitlines()
     assert 'warmroute_requests_total{backend="a",outcome="mid_stream_error"} 1.0' in lines
+
+
+def test_the_admin_dry_run_keys_a_new_shape_as_its_endpoint_does(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[ToyEngine("a")], shapes=(*SHAPES, TOY))
+    sample = {"model": "m", "thread": "t9"}
+    r = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/toy/talk", "body": sample})
+    assert r.status_code == 200, r.text
+    assert (r.json()["key"], r.json()["reason"]) == ("toy:m:t9", "new_least_loaded")
+    bad = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/toy/talk", "body": {"model": "m"}})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "thread")
+    gone = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/embeddings", "key": "k"})
+    assert (gone.status_code, gone.json()["error"]["param"]) == (422, "path")
+    assert "/v1/toy/talk" in gone.json()["error"]["message"]
+    assert c.engines["a"].raw == []  # a dry run: nothing reached the engine
