@@ -7,7 +7,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.context import RequestContext
 from gateway.continuation import Continuation
-from gateway.endpoints import ChatCompletions, Completions, Endpoint, Passthrough
+from gateway.endpoints import Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.guard import OutputGuard
 from gateway.inbound import BodyBudget
@@ -43,6 +43,8 @@ from gateway.proxy import Proxy
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
+from gateway.shapes.base import ApiShape
+from gateway.shapes.table import PASSTHROUGH, SHAPES
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import StatusPage
@@ -50,7 +52,7 @@ from gateway.upstream import UpstreamPool
 from gateway.vision import VisionRouting, VisionStep, no_embeds
 from gateway.waiting import WaitingRoom
 from routing.params import RoutingParams
-from routing.policies import Policy, make_policy
+from routing.policies import make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
 
 log = logging.getLogger("warmroute")
@@ -256,6 +258,18 @@ def make_store(settings: Settings, changes: Changes | None = None) -> AffinitySt
     return RedisAffinityStore(settings.redis, settings.routing, backends, changes=changes)
 
 
+def shape_paths(served: Mapping[str, Endpoint]) -> Iterator[tuple[str, Endpoint]]:
+    """Each shape's path, and with a trailing slash: it reaches the same endpoint (validation and affinity
+    included), never the engine."""
+    for path, ep in served.items():
+        yield path, ep
+        yield path + "/", ep
+
+
+def shape_routes(served: Mapping[str, Endpoint]) -> list[Route]:
+    return [Route(path, ep, methods=["POST"]) for path, ep in shape_paths(served)]
+
+
 class HotPath:
     """Sends the generation endpoints straight to their ASGI apps; everything else goes through Starlette.
 
@@ -283,22 +297,35 @@ def create_app(
     *,
     freeze_gc: bool = False,
     modules: Sequence[object] = (),
+    shapes: Sequence[ApiShape] = SHAPES,
 ) -> AccessGuard:
     """The ASGI app. ``freeze_gc``: for a serving process (``warmroute serve``), never for tests that build
     many apps in one interpreter (frozen objects are never collected). ``modules``: further request-path
-    modules, after the configured ones (gateway/phases.py)."""
+    modules, after the configured ones (gateway/phases.py). ``shapes``: the API shapes served, one endpoint
+    each (gateway/shapes/table.py); every other /v1 route is passed through."""
     gw = Gateway(settings, store, freeze_gc=freeze_gc, modules=modules)
     access = AdminAccess.from_settings(settings)
     max_body = settings.limits.max_body_bytes
 
-    def endpoint(cls: type[Endpoint], policy: Policy) -> Endpoint:
+    def endpoint(shape: ApiShape) -> Endpoint:
         limits = settings.limits
-        return cls(
-            gw.proxy, settings.routing, max_body, policy, gw.budgets, limits.max_json_values, gw.body_budget
-        )
+        policy = gw.policy if shape.key is not None else LeastLoadedPolicy()  # no conversations: least loaded
+        args = (shape, gw.proxy, settings.routing, max_body, policy, gw.budgets)
+        return Endpoint(*args, limits.max_json_values, gw.body_budget)
 
-    chat = endpoint(ChatCompletions, gw.policy)
-    completions = endpoint(Completions, gw.policy)
+    served = {shape.path: endpoint(shape) for shape in shapes}  # one endpoint per shape, holding it
+    limits = settings.limits
+    passthrough = Passthrough(
+        frozenset({*served, "/v1/models"}),
+        PASSTHROUGH,
+        gw.proxy,
+        settings.routing,
+        max_body,
+        LeastLoadedPolicy(),
+        gw.budgets,
+        limits.max_json_values,
+        gw.body_budget,
+    )
     gw.admin = Admin(
         AdminPorts(
             registry=gw.registry,
@@ -312,7 +339,7 @@ def create_app(
             admin=settings.admin,
             canary=settings.canary,
             policy=settings.routing.policy.value,
-            endpoints={"/v1/chat/completions": chat, "/v1/completions": completions},
+            endpoints=served,
             feedback=gw.feedback,
         )
     )
@@ -336,14 +363,10 @@ def create_app(
         return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
-        # A trailing slash reaches the same endpoint (validation and affinity included), never the engine.
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/chat/completions/", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/completions/", completions, methods=["POST"]),
+        *shape_routes(served),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/v1/{rest:path}", endpoint(Passthrough, LeastLoadedPolicy())),
+        Route("/v1/{rest:path}", passthrough),  # every other /v1 route: the PASSTHROUGH shape
         Route("/healthz", healthz, methods=["GET"]),
         Route(
             "/readyz", readyz_endpoint(gw.registry, gw.fleet, gw.store, gw.sidecar, access), methods=["GET"]
@@ -363,11 +386,7 @@ def create_app(
         },
     )
     app.state.gateway = gw
-    hot: dict[tuple[str, str], ASGIApp] = {}
-    for path in ("/v1/chat/completions", "/v1/chat/completions/"):
-        hot["POST", path] = chat
-    for path in ("/v1/completions", "/v1/completions/"):
-        hot["POST", path] = completions
+    hot: dict[tuple[str, str], ASGIApp] = {("POST", path): ep for path, ep in shape_paths(served)}
     log_admin_access(access)
     clients = ClientKeys(settings.auth.keys())
     return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)

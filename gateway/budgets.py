@@ -27,6 +27,7 @@ from gateway.context import Draft, RequestContext
 from gateway.continuation import shape_phase1
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
+from gateway.shapes.base import ThinkingUse
 from gateway.thinking import Thinking
 
 BUDGET_FIELD = "thinking_budget"
@@ -51,7 +52,8 @@ class BudgetPolicy:
         return self.model(name).thinks
 
     def refuse(self, body: dict[str, Any]) -> None:
-        """/v1/completions has no chat template or reasoning parser: asking is an error, not a no-op."""
+        """For shapes that refuse a budget (``ThinkingUse.REFUSE``: /v1/completions has no chat template or
+        reasoning parser): asking is an error, not a no-op."""
         if body.get(BUDGET_FIELD) is not None:
             raise BadRequest(f"'{BUDGET_FIELD}' applies to /v1/chat/completions only", param=BUDGET_FIELD)
 
@@ -94,6 +96,8 @@ class BudgetStep:
         self.metrics = metrics
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        if ctx.shape.thinking is ThinkingUse.IGNORE:
+            return  # a shape without budgets: its body is the client's
         thinking = ctx.thinking
         body = draft.read()
         if thinking is None:

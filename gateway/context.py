@@ -1,9 +1,10 @@
 """One request as it travels from the endpoint to the relay, and one attempt of it on one backend.
 
-The endpoint fills in what it parsed (body, model, conversation key, policy); the proxy's phases fill in the
-rest (decision, lease, upstream response, outcome). Shaping never mutates ``ctx.body``: each attempt starts a
-``Draft`` of the original, so a retry on an engine of another dialect starts from what the client sent, and
-what a module decides for one attempt (the gateway enforces this budget here) is written on that attempt.
+The endpoint fills in what it parsed (body, model, conversation key, policy) and its API shape; the proxy's
+phases fill in the rest (decision, lease, upstream response, outcome). Shaping never mutates ``ctx.body``:
+each attempt starts a ``Draft`` of the original, so a retry on an engine of another dialect starts from what
+the client sent, and what a module decides for one attempt (the gateway enforces this budget here) is
+written on that attempt.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from backends.registry import Backend, Lease
 from gateway.images import VisionMemo
 from gateway.observe import ResponseTap, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
+from gateway.shapes.base import ApiShape
 from gateway.thinking import Thinking
 from gateway.transport import TransportResponse
 from routing.policies import Policy
@@ -36,6 +38,7 @@ class RequestContext:
     key: str  # conversation key as the endpoint computed it (or the path, for routes without conversations)
     policy: Policy
     headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names)
+    shape: ApiShape  # the API shape of its route: what the phases read of its body and of its answers
     started_at: float = field(default_factory=time.monotonic)
     thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any
     client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any

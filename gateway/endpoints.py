@@ -1,5 +1,5 @@
-"""OpenAI endpoints as pure ASGI apps: read and validate what we own, key the conversation, hand a
-``RequestContext`` to the proxy."""
+"""The endpoints as pure ASGI apps, one per API shape (gateway/shapes/): read and validate what the shape
+owns, key the conversation, hand a ``RequestContext`` to the proxy."""
 
 from __future__ import annotations
 
@@ -23,17 +23,14 @@ from gateway.inbound import (
     header,
     parse_object,
     read_body,
-    require_model,
-    validate_chat,
-    validate_completion,
 )
 from gateway.proxy import Proxy
-from routing.keys import chat_key, completion_key, session_key
+from gateway.shapes.base import ApiShape, ThinkingUse
+from routing.keys import session_key
 from routing.policies import Policy
 
 log = logging.getLogger("warmroute.endpoints")
 
-OWNED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
 #: Methods forwarded on other /v1 routes (the OpenAI API uses these; TRACE, PROPFIND... are refused).
 FORWARDED_METHODS = frozenset({"GET", "HEAD", "POST", "DELETE"})
 # After one percent-decoding: a dot segment, an (encoded) backslash, a control character, or what would
@@ -43,10 +40,11 @@ _FRAMING = re.compile(r"[\x00-\x20\x7f]")  # would split or corrupt the request 
 
 
 class Endpoint:
-    """Read the body, build the context, forward. Subclasses say how to validate and key."""
+    """Read the body, build the context, forward: one per API shape, which it holds (``ctx.shape``)."""
 
     def __init__(
         self,
+        shape: ApiShape,
         proxy: Proxy,
         routing: RoutingConfig,
         max_body: int,
@@ -55,6 +53,7 @@ class Endpoint:
         max_json_values: int = MAX_JSON_VALUES,
         body_budget: BodyBudget | None = None,
     ) -> None:
+        self.shape = shape
         self.proxy = proxy
         self.budgets = budgets
         self.routing = routing
@@ -71,20 +70,33 @@ class Endpoint:
                 raw = await read_body(scope, receive, self.max_body, charge)
                 ctx = self.context(scope, raw)
             except GatewayError as err:
-                await self.proxy.reject(send, err)
+                await self.proxy.reject(send, err, self.shape.errors)
                 return
             except ClientGone:
                 return
-            except Exception as exc:  # a defect of ours: one log line with the trace, an OpenAI-shaped 500
+            except Exception as exc:  # a defect of ours: one log line with the trace, a shaped 500
                 log.exception("unexpected error reading %s %s", scope["method"], scope["path"], exc_info=exc)
-                await self.proxy.reject(send, GatewayError("internal error in the gateway; see its log"))
+                internal = GatewayError("internal error in the gateway; see its log")
+                await self.proxy.reject(send, internal, self.shape.errors)
                 return
             await self.proxy.forward(receive, send, ctx)
         finally:
             charge.release()
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
-        raise NotImplementedError
+        """The shape's own fields validated, its conversation keyed (a session id wins), its budget read."""
+        shape = self.shape
+        body = parse_object(raw, self.max_json_values)
+        model = shape.validate(body)
+        if shape.thinking is ThinkingUse.REFUSE and self.budgets is not None:
+            self.budgets.refuse(body)
+        key = shape.path
+        if shape.key is not None:
+            key = self.session(scope, model) or shape.key(body, model, self.routing)
+        ctx = self.make(scope, shape.path, raw, body, model, key)
+        if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
+            ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400, here
+        return ctx
 
     def session(self, scope: Scope, model: str) -> str | None:
         sid = header(scope, self.session_header)
@@ -93,46 +105,30 @@ class Endpoint:
     def make(
         self, scope: Scope, path: str, raw: bytes, body: dict[str, Any] | None, model: str | None, key: str
     ) -> RequestContext:
-        ctx = RequestContext(scope["method"], path, raw, body, model, key, self.policy, scope["headers"])
+        ctx = RequestContext(
+            scope["method"], path, raw, body, model, key, self.policy, scope["headers"], self.shape
+        )
         ctx.client = client_of(scope)  # the client key's configured name (gateway/auth.py), if keys are on
         peer = scope.get("client")
         ctx.peer = None if not peer else str(peer[0])
         return ctx
 
 
-class ChatCompletions(Endpoint):
-    def context(self, scope: Scope, raw: bytes) -> RequestContext:
-        body = parse_object(raw, self.max_json_values)
-        model = validate_chat(body)
-        key = self.session(scope, model) or chat_key(body)
-        ctx = self.make(scope, "/v1/chat/completions", raw, body, model, key)
-        if self.budgets is not None:  # thinking budgets: a bad value is a 400 here, before any engine
-            ctx.thinking = self.budgets.resolve(body, scope["headers"], model)
-        return ctx
-
-
-class Completions(Endpoint):
-    def context(self, scope: Scope, raw: bytes) -> RequestContext:
-        body = parse_object(raw, self.max_json_values)
-        model = validate_completion(body)
-        if self.budgets is not None:
-            self.budgets.refuse(body)
-        key = self.session(scope, model) or completion_key(
-            model, body["prompt"], self.routing.completion_key_chars
-        )
-        return self.make(scope, "/v1/completions", raw, body, model, key)
-
-
 class Passthrough(Endpoint):
     """Any other /v1/* route (embeddings, responses, files, ...): the least loaded backend serving the model.
 
     The body is forwarded untouched (``body`` stays None: prepare steps leave these routes alone); only its
-    ``model`` is read, to pick a backend that serves it.
+    ``model`` is read, to pick a backend that serves it. ``owned``: the paths other endpoints serve (a
+    wrong method there is a 405, never a forward).
     """
+
+    def __init__(self, owned: frozenset[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.owned = owned
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
         method = scope["method"]
-        if scope["path"].rstrip("/") in OWNED_PATHS:  # routes we serve ourselves, with the wrong method
+        if scope["path"].rstrip("/") in self.owned:  # routes we serve ourselves, with the wrong method
             raise MethodNotAllowed(f"{method} is not allowed on {scope['path']}")
         if method not in FORWARDED_METHODS:
             raise MethodNotAllowed(
@@ -143,7 +139,7 @@ class Passthrough(Endpoint):
         if raw.strip():
             body = parse_object(raw, self.max_json_values)
             if "model" in body:
-                model = require_model(body)
+                model = self.shape.validate(body)
         return self.make(scope, path, raw, None, model, path)
 
 

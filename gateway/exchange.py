@@ -112,12 +112,12 @@ class Relay:
         elif not ctx.responded:  # a body held whole was refused before its head went: a proper error response
             ctx.outcome = outcome_of(result)
             ctx.finishing = ctx.responded = True
-            await send_error(send, result)
+            await send_error(send, result, ctx.shape.errors)
         else:
             ctx.outcome = RequestOutcome.MID_STREAM_ERROR
             if sse:
                 ctx.finishing = True
-                await send(sse_error(result))
+                await send(sse_error(result, ctx.shape.errors))
             else:
                 # A non-streamed body's status line is gone: returning without finishing makes the server
                 # close the connection, which is the only honest signal left.
@@ -138,7 +138,8 @@ class Relay:
         log.warning("backend %s answered %d; its body is withheld from the client", backend, upstream.status)
         ctx.outcome = RequestOutcome.HTTP_5XX
         ctx.finishing = ctx.responded = True
-        await send_error(send, EngineFailed(backend, upstream.status, upstream.header(b"retry-after")))
+        failed = EngineFailed(backend, upstream.status, upstream.header(b"retry-after"))
+        await send_error(send, failed, ctx.shape.errors)
 
     # -- the pump -----------------------------------------------------------------------------------------
 

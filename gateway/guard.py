@@ -4,7 +4,7 @@ An engine can collapse into one token ("duct duct duct…") until the length lim
 passes; the symptoms are a rising share of ``finish_reason: length`` and a stream of identical deltas.
 
 Cheap by construction (it runs once per streamed chunk, before the chunk is sent): no JSON parsing. The
-chunk bytes are searched for the content key (``"content":`` for chat, ``"text":`` for completions) and
+chunk bytes are searched for the shape's text key (``"content":`` for chat, ``"text":`` for completions) and
 ``"finish_reason":``; the string values are compared as the raw, still-escaped bytes. The repetition check
 is rolling: for each period p <= ``max_period`` it counts how many deltas in a row equal the delta p
 before; a unit of p deltas repeated ``repeat_count`` times trips it. Whitespace around a delta is ignored
@@ -44,8 +44,8 @@ class StreamGuard:
 
     __slots__ = ("_events", "_history", "_key", "_max_period", "_needed", "_runs", "finish", "sse", "tripped")
 
-    def __init__(self, cfg: GuardConfig, *, completions: bool, sse: bool) -> None:
-        self._key = b'"text":' if completions else b'"content":'
+    def __init__(self, cfg: GuardConfig, *, text_key: bytes, sse: bool) -> None:
+        self._key = text_key  # the API shape's (``ApiShape.text_key``): ``"content":``, ``"text":``...
         self._max_period = cfg.max_period
         self._needed = [p * (cfg.repeat_count - 1) for p in range(cfg.max_period + 1)]
         self._runs = [0] * (cfg.max_period + 1)
@@ -169,7 +169,7 @@ class OutputGuard:
         self.metrics = metrics
 
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter:
-        guard = StreamGuard(self.cfg, completions=ctx.path.startswith("/v1/completions"), sse=sse)
+        guard = StreamGuard(self.cfg, text_key=ctx.shape.text_key, sse=sse)
         return _GuardFilter(self, guard, attempt.backend.id)
 
 

@@ -274,47 +274,8 @@ def require_model(body: dict[str, Any]) -> str:
     return model
 
 
-def validate_chat(body: dict[str, Any]) -> str:
-    model = require_model(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    in_head = True  # up to the first user message: what routing.keys hashes
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise BadRequest(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        check_text(role, f"messages[{i}].role")
-        content = msg.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise BadRequest(
-                f"messages[{i}].content must be a string or an array of parts", param=f"messages[{i}].content"
-            )
-        if in_head:
-            _check_content(content, f"messages[{i}].content")
-            in_head = role != "user"
-    _check_common(body)
-    return model
-
-
-def validate_completion(body: dict[str, Any]) -> str:
-    model = require_model(body)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, (str, list)):
-        raise BadRequest("'prompt' must be a string or an array", param="prompt")
-    if isinstance(prompt, str):
-        check_text(prompt, "prompt")
-    else:
-        for i, item in enumerate(prompt):
-            if isinstance(item, str):
-                check_text(item, f"prompt[{i}]")
-    _check_common(body)
-    return model
-
-
-def _check_common(body: dict[str, Any]) -> None:
+def check_common(body: dict[str, Any]) -> None:
+    """The fields every generation shape shares: ``stream`` a boolean, ``tools`` an array."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
@@ -323,7 +284,7 @@ def _check_common(body: dict[str, Any]) -> None:
         raise BadRequest("'tools' must be an array", param="tools")
 
 
-def _check_content(content: Any, param: str) -> None:
+def check_content(content: Any, param: str) -> None:
     """Surrogates in what the key hashes of one message: its text, text parts and image URLs."""
     if isinstance(content, str):
         check_text(content, param)

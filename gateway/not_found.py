@@ -34,7 +34,7 @@ async def relay_404(ctx: RequestContext, upstream: TransportResponse, send: Send
     else:
         route = ctx.path.split("?", 1)[0]
         err = NotFound(f"{ctx.method} {route}: backend {backend!r} has no such route", param="path")
-        payload, content_type = err.body(), b"application/json"
+        payload, content_type = ctx.shape.errors.body(err), ctx.shape.errors.content_type
     headers = [
         (b"content-type", content_type),
         (b"content-length", str(len(payload)).encode()),

@@ -12,6 +12,7 @@ reported none (a stream without ``stream_options.include_usage``, an error body,
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -133,8 +134,9 @@ class ResponseTap:
                     self._look_into(piece)
             self._seen_enough()
 
-    def usage(self) -> Usage | None:
-        return parse_usage(self._tail)
+    def usage(self, read: Callable[[bytes], Usage | None] | None = None) -> Usage | None:
+        """The usage in what was relayed, where ``read`` finds it (the route's shape; else OpenAI's)."""
+        return parse_usage(self._tail) if read is None else read(self._tail)
 
     def reply(self) -> str | None:
         """The reply's beginning, or None (not asked for, nothing found, or not found in time)."""

@@ -54,6 +54,7 @@ from gateway.observe import Observation
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.phases import Phases, Release
 from gateway.relay import send_error, upstream_headers
+from gateway.shapes.base import ErrorShape
 from gateway.state import AffinityStore, StoreView
 from gateway.transport import (
     TransportResponse,
@@ -156,7 +157,7 @@ class Proxy:
             except GatewayError as err:
                 ctx.outcome = outcome_of(err)
                 ctx.finishing = ctx.responded = True
-                await send_error(send, err)
+                await send_error(send, err, ctx.shape.errors)
                 return
             await self.relay.answer(ctx, upstream, send)
         except asyncio.CancelledError:
@@ -170,17 +171,18 @@ class Proxy:
                 raise  # the head is gone: the server closes the connection
             ctx.outcome = RequestOutcome.UPSTREAM_ERROR
             ctx.finishing = True
-            await send_error(send, GatewayError("internal error in the gateway; see its log"))
+            internal = GatewayError("internal error in the gateway; see its log")
+            await send_error(send, internal, ctx.shape.errors)
         finally:
             watcher.cancel()
             await self._finish(ctx)
             for claim in claims:
                 claim.release()
 
-    async def reject(self, send: Send, err: GatewayError) -> None:
-        """Answer a request refused before routing (bad input) and count it."""
+    async def reject(self, send: Send, err: GatewayError, errors: ErrorShape) -> None:
+        """Answer a request refused before routing (bad input), in its route's error shape, and count it."""
         self.metrics.request(NO_BACKEND_LABEL, outcome_of(err), 0.0, None)
-        await send_error(send, err)
+        await send_error(send, err, errors)
 
     # -- route ----------------------------------------------------------------------------------------
 
@@ -339,7 +341,7 @@ class Proxy:
         tap, upstream = ctx.tap, ctx.upstream
         usage = None if ctx.attempt is None else ctx.attempt.usage  # a follow-up's, put together
         if usage is None and tap is not None:
-            usage = tap.usage()
+            usage = tap.usage(ctx.shape.usage)  # where the shape's answers keep it
         obs = Observation(
             backend=backend,
             model=ctx.model,

@@ -11,9 +11,8 @@ from backends.dialects import REASONING_FIELDS
 from config.settings import ReasoningFields
 from gateway.context import Attempt, RequestContext, canonical_json
 from gateway.phases import BodyFilter, BodyFilterBase
+from gateway.shapes.base import ReasoningRewrite
 from gateway.sse import Event, Piece
-
-CHAT_PATH = "/v1/chat/completions"
 
 FIELDS = REASONING_FIELDS  # every dialect's output fields (backends/dialects.py)
 
@@ -50,7 +49,8 @@ def normalise(part: dict[str, Any], fields: ReasoningFields) -> dict[str, Any]:
 
 
 class ReasoningRelay:
-    """Rewrites relayed chat responses so reasoning arrives in the configured field(s): a body filter.
+    """Rewrites relayed responses so reasoning arrives in the configured field(s): a body filter, for the
+    shapes whose answers carry reasoning (``ApiShape.reasoning`` says where: chat's choices).
 
     A stream is rewritten event by event (the relay's one splitter: any SSE line ends, a bounded hold), and
     only events that mention reasoning are parsed: the others, and events too large to hold, pass as the
@@ -63,18 +63,20 @@ class ReasoningRelay:
         self.thinks = thinks
 
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter | None:
-        if status != 200 or ctx.body is None or not ctx.path.startswith(CHAT_PATH):
+        rewrite = ctx.shape.reasoning  # where the shape's answers keep reasoning (None: nowhere)
+        if status != 200 or rewrite is None or ctx.body is None:
             return None
         if not self.thinks(ctx.model):
             return None
-        return _Events(self.fields) if sse else _Whole(self.fields)
+        return _Events(self.fields, rewrite) if sse else _Whole(self.fields, rewrite)
 
 
 class _Events(BodyFilterBase):
     rewrites = True
 
-    def __init__(self, fields: ReasoningFields) -> None:
+    def __init__(self, fields: ReasoningFields, rewrite: ReasoningRewrite) -> None:
         self.fields = fields
+        self.rewrite = rewrite
 
     def events(self, pieces: list[Piece]) -> list[Piece]:
         return [self._event(p) if isinstance(p, Event) and b"reasoning" in p.raw else p for p in pieces]
@@ -85,9 +87,8 @@ class _Events(BodyFilterBase):
             return event  # several lines, or no data: not a chunk of ours to rewrite
         try:
             doc = json.loads(lines[0][5:])
-            for choice in doc.get("choices") or ():
-                choice["delta"] = normalise(choice.get("delta") or {}, self.fields)
-        except (ValueError, AttributeError, TypeError):
+            self.rewrite(doc, self.fields, True)
+        except (ValueError, AttributeError, LookupError, TypeError):
             return event
         newline = event.newline()  # the engine's own framing, so a client reading its way still can
         return Event(b"data: " + canonical_json(doc) + newline + newline)
@@ -96,16 +97,16 @@ class _Events(BodyFilterBase):
 class _Whole(BodyFilterBase):
     holds = rewrites = True
 
-    def __init__(self, fields: ReasoningFields) -> None:
+    def __init__(self, fields: ReasoningFields, rewrite: ReasoningRewrite) -> None:
         self.fields = fields
+        self.rewrite = rewrite
 
     def body(self, data: bytes) -> bytes:
         if b"reasoning" not in data:
             return data  # nothing to rewrite: the engine's own bytes
         try:
             doc = json.loads(data)
-            for choice in doc["choices"]:
-                choice["message"] = normalise(choice["message"], self.fields)
-        except (ValueError, KeyError, TypeError):
+            self.rewrite(doc, self.fields, False)
+        except (ValueError, LookupError, TypeError):
             return data  # not the shape we know: the engine's own bytes
         return canonical_json(doc)

@@ -15,6 +15,7 @@ from starlette.types import Message, Send
 from config.settings import TimeoutConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, UpstreamReplyTooLarge
+from gateway.shapes.base import ErrorShape
 from gateway.transport import TransportResponse
 from routing.types import Reason
 
@@ -130,19 +131,21 @@ def body(data: bytes, more: bool) -> Message:
     return {"type": "http.response.body", "body": data, "more_body": more}
 
 
-def sse_error(err: GatewayError) -> Message:
-    """The end of a stream that broke after bytes were sent: an error event, then [DONE]."""
-    return body(b"event: error\ndata: " + err.body() + b"\n\n" + DONE, more=False)
+def sse_error(err: GatewayError, errors: ErrorShape) -> Message:
+    """The end of a stream that broke after bytes were sent, in the route's shape (OpenAI: an error event,
+    then [DONE])."""
+    return body(errors.stream_end(err), more=False)
 
 
-async def send_error(send: Send, err: GatewayError) -> None:
-    payload = err.body()
+async def send_error(send: Send, err: GatewayError, errors: ErrorShape) -> None:
+    """A whole error response, in the route's shape."""
+    payload = errors.body(err)
     await send(
         {
             "type": "http.response.start",
             "status": err.status,
             "headers": [
-                (b"content-type", b"application/json"),
+                (b"content-type", errors.content_type),
                 (b"content-length", str(len(payload)).encode()),
                 *err.headers(),
             ],

@@ -75,7 +75,7 @@ class VisionRouting:
         self.host = host
 
     def ineligible(self, ctx: RequestContext) -> frozenset[str]:
-        if ctx.body is None or not memo_of(ctx).images:
+        if ctx.body is None or not ctx.shape.vision or not memo_of(ctx).images:
             return EMPTY
         backends = self.registry.for_model(ctx.model)
         by_mode: dict[VisionMode, set[str]] = {mode: set() for mode in VisionMode}
@@ -102,7 +102,7 @@ class VisionStep:
         self.sidecar = sidecar
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
-        if backend.cfg.vision is not VisionMode.EMBEDS:
+        if backend.cfg.vision is not VisionMode.EMBEDS or not ctx.shape.vision:
             return
         memo = memo_of(ctx)
         if not memo.images:

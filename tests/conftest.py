@@ -13,6 +13,8 @@ import pytest
 
 from config.settings import load_settings
 from gateway.app import create_app
+from gateway.shapes.base import ApiShape
+from gateway.shapes.table import SHAPES
 from tools.redis_server import RedisServer, find_binary
 
 from clusters import Cluster, ClusterFactory, loop_of
@@ -73,6 +75,7 @@ def cluster() -> Iterator[ClusterFactory]:
         names: list[str] | None = None,
         engines: list[FakeEngine] | None = None,
         modules: tuple[object, ...] = (),
+        shapes: tuple[ApiShape, ...] = SHAPES,
         **overrides: Any,
     ) -> Cluster:
         fakes = engines or [FakeEngine(n) for n in (names or ["a", "b"])]
@@ -85,7 +88,7 @@ def cluster() -> Iterator[ClusterFactory]:
         ]
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
         settings = load_settings(None, backends=backends, **overrides)
-        app = create_app(settings, modules=modules)  # further request-path modules a test adds
+        app = create_app(settings, modules=modules, shapes=shapes)  # further modules or shapes a test adds
         url, server = stack.enter_context(serve(app))
         return Cluster(url, {f.name: f for f in fakes}, servers, app.state.gateway, loop_of(server))
 

@@ -23,6 +23,7 @@ from gateway.context import RequestContext
 from gateway.guard import OutputGuard, StreamGuard
 from gateway.metrics import Metrics
 from gateway.proxy import AdmitAll, Proxy
+from gateway.shapes.table import CHAT
 from gateway.state import MemoryAffinityStore
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.types import BackendState
@@ -101,7 +102,9 @@ async def relay_cpu_per_chunk(guard: bool, chunks: list[bytes], streams: int) ->
 
     started = time.process_time()
     for _ in range(streams):
-        ctx = RequestContext("POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [])
+        ctx = RequestContext(
+            "POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], CHAT
+        )
         await proxy.forward(receive, send, ctx)
     return (time.process_time() - started) / (streams * len(chunks)) * 1e6
 
@@ -110,7 +113,7 @@ def feed_cpu_per_chunk(chunks: list[bytes], streams: int) -> float:
     cfg = GuardConfig()
     started = time.process_time()
     for _ in range(streams):
-        guard = StreamGuard(cfg, completions=False, sse=True)
+        guard = StreamGuard(cfg, text_key=CHAT.text_key, sse=True)
         for chunk in chunks:
             guard.feed(chunk)
     return (time.process_time() - started) / (streams * len(chunks)) * 1e6

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from backends.registry import Registry
-from gateway.admin.body import finite
+from gateway.admin.body import Unprocessable, finite
 from gateway.admin.models import CandidateView, CostView, ExplainRequest, Explanation
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
@@ -48,7 +48,10 @@ class Explainer:
         self.endpoints = endpoints  # path -> the endpoint that serves it
 
     async def explain(self, req: ExplainRequest) -> Explanation:
-        endpoint = self.endpoints[req.path]
+        endpoint = self.endpoints.get(req.path)
+        if endpoint is None:
+            served = ", ".join(self.endpoints)
+            raise Unprocessable(f"path must be one of the served API shapes' ({served})", param="path")
         ctx = self._context(req, endpoint)
         key, model = (req.key, req.model) if ctx is None else (ctx.key, ctx.model)
         assert key is not None

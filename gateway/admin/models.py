@@ -31,7 +31,8 @@ class ExplainRequest(_Request):
 
     key: str | None = Field(default=None, min_length=1, max_length=4096)
     model: str | None = Field(default=None, min_length=1, max_length=1024, description="With ``key``")
-    path: str = Field(default="/v1/chat/completions", pattern=r"^/v1/(chat/completions|completions)$")
+    #: One of the served API shapes' paths (the explainer knows them: gateway/shapes/table.py).
+    path: str = Field(default="/v1/chat/completions", pattern=r"^/v1/[A-Za-z0-9/_.-]+$", max_length=200)
     body: dict[str, Any] | None = None
     headers: dict[str, str] = Field(default_factory=dict, max_length=64)
 

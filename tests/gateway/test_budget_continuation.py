@@ -17,6 +17,7 @@ from config.settings import DEFAULT_EARLY_STOP, ThinkingConfig
 from gateway.app import Gateway, create_app
 from gateway.continuation import Continuation, _Phase
 from gateway.metrics import Metrics
+from gateway.shapes.table import CHAT
 
 from upstreams import serve
 
@@ -273,7 +274,7 @@ def test_a_phase_is_read_in_any_sse_framing_cut_anywhere(newline: bytes) -> None
         [b": ping", b"", b"data: " + delta("a"), b"", b"data:" + delta("b"), b"", b"data: [DONE]", b"", b""]
     )
     body = {"model": "m", "messages": MSGS, "stream": True}
-    ctx = RequestContext("POST", "/v1/chat/completions", b"{}", body, "m", "k", RoundRobinPolicy(), [])
+    ctx = RequestContext("POST", "/v1/chat/completions", b"{}", body, "m", "k", RoundRobinPolicy(), [], CHAT)
     draft = Draft(body)
     draft.enforced = Thinking(5, None, True)
     cont = Continuation(ThinkingConfig(), Metrics.__new__(Metrics))

@@ -8,6 +8,7 @@ import pytest
 
 from config.settings import GuardConfig
 from gateway.guard import StreamGuard
+from gateway.shapes.table import CHAT, COMPLETIONS
 
 
 def event(content: str | None = None, finish: str | None = None, *, compact: bool = True) -> bytes:
@@ -23,7 +24,7 @@ def completion_event(text: str) -> bytes:
 
 def guard(repeat_count: int = 4, max_period: int = 3, *, completions: bool = False) -> StreamGuard:
     cfg = GuardConfig(repeat_count=repeat_count, max_period=max_period)
-    return StreamGuard(cfg, completions=completions, sse=True)
+    return StreamGuard(cfg, text_key=(COMPLETIONS if completions else CHAT).text_key, sse=True)
 
 
 def trips_at(g: StreamGuard, chunks: list[bytes]) -> int | None:
@@ -96,7 +97,7 @@ def test_a_json_body_only_counts_finish_reasons() -> None:
     body = json.dumps(
         {"choices": [{"message": {"content": "x x x x x x"}, "finish_reason": "stop"}] * 2}
     ).encode()
-    g = StreamGuard(GuardConfig(repeat_count=2), completions=False, sse=False)
+    g = StreamGuard(GuardConfig(repeat_count=2), text_key=CHAT.text_key, sse=False)
     assert g.feed(body) is False
     assert g.finish == ["stop", "stop"]
 

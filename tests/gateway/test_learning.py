@@ -13,6 +13,7 @@ from gateway.learning import RoutingFeedback
 from gateway.observe import Observation, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
 from gateway.proxy import Proxy
+from gateway.shapes.table import CHAT, COMPLETIONS
 from gateway.state import MemoryAffinityStore
 from routing.keys import chat_key, reply_key
 from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
@@ -45,7 +46,7 @@ def v2_proxy(fake: FakeTransport) -> tuple[Proxy, RoutingFeedback]:
 def chat(messages: list[dict[str, Any]], headers: list[tuple[bytes, bytes]] | None = None) -> RequestContext:
     body = {"model": "m", "messages": messages, "stream": True}
     return RequestContext("POST", "/v1/chat/completions", json.dumps(body).encode(), body, "m",
-                          chat_key(body), POLICY, headers or [])  # fmt: skip
+                          chat_key(body), POLICY, headers or [], CHAT)  # fmt: skip
 
 
 async def test_twins_sharing_a_head_spread_and_each_follows_its_own_first_reply() -> None:
@@ -163,7 +164,7 @@ async def test_completions_keep_their_pin_under_ttft() -> None:
     for i in range(4):
         body = {"model": "m", "prompt": "The same long document. " * 40 + f"question {i}"}
         ctx = RequestContext(
-            "POST", "/v1/completions", json.dumps(body).encode(), body, "m", "ck", POLICY, []
+            "POST", "/v1/completions", json.dumps(body).encode(), body, "m", "ck", POLICY, [], COMPLETIONS
         )
         await run(proxy, ctx)
         assert ctx.backend is not None

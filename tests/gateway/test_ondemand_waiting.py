@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.relay import body, send_error
+from gateway.shapes.base import OPENAI_ERRORS
 from gateway.waiting import EarlyHeadSend, EngineNotReady
 
 pytestmark = pytest.mark.anyio
@@ -58,7 +59,9 @@ async def test_an_error_after_the_early_head_becomes_one_sse_error_event_and_don
     out = Recorder()
     send = EarlyHeadSend(out)
     await send.head()
-    await send_error(send, EngineNotReady("backend a failed to start: boom", "engine_start_failed", None))
+    await send_error(
+        send, EngineNotReady("backend a failed to start: boom", "engine_start_failed", None), OPENAI_ERRORS
+    )
     assert out.messages[1:] == [
         body(
             b'event: error\ndata: {"error":{"message":"backend a failed to start: boom",'

@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.observe import Observation, Usage
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.proxy import AdmitAll, Proxy
+from gateway.shapes.table import CHAT
 from gateway.sse import Piece
 from gateway.state import MemoryAffinityStore
 from gateway.thinking import Thinking
@@ -83,7 +84,7 @@ def chat(**extra: Any) -> RequestContext:
     body = {"model": "m", "messages": MSGS, "stream": True, "thinking_budget": 5, **extra}
     raw = json.dumps(body).encode()
     return RequestContext(
-        "POST", "/v1/chat/completions", raw, body, "m", chat_key(body), TtftPolicy(PARAMS), []
+        "POST", "/v1/chat/completions", raw, body, "m", chat_key(body), TtftPolicy(PARAMS), [], CHAT
     )
 
 

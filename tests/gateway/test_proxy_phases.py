@@ -15,6 +15,7 @@ from config.settings import Settings, load_settings
 from gateway.context import RequestContext
 from gateway.metrics import Metrics
 from gateway.proxy import AdmitAll, Proxy, RequestFeed
+from gateway.shapes.table import CHAT
 from gateway.state import MemoryAffinityStore
 from gateway.transport import (
     UpstreamConnectError,
@@ -61,7 +62,7 @@ def make_proxy(
 
 def context() -> RequestContext:
     raw = json.dumps(BODY).encode()
-    return RequestContext("POST", "/v1/chat/completions", raw, BODY, "m", "k", RoundRobinPolicy(), [])
+    return RequestContext("POST", "/v1/chat/completions", raw, BODY, "m", "k", RoundRobinPolicy(), [], CHAT)
 
 
 async def run(proxy: Proxy, ctx: RequestContext) -> list[dict[str, Any]]:

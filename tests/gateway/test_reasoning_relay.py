@@ -18,6 +18,7 @@ from gateway.exchange import RelayLimits
 from gateway.metrics import Metrics
 from gateway.proxy import Proxy
 from gateway.reasoning import ReasoningRelay
+from gateway.shapes.table import CHAT
 from gateway.state import MemoryAffinityStore
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.types import BackendState
@@ -65,7 +66,7 @@ def relay() -> ReasoningRelay:
 def context(stream: bool) -> RequestContext:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     raw = json.dumps(body).encode()
-    return RequestContext("POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [])
+    return RequestContext("POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], CHAT)
 
 
 class Client:

@@ -1,0 +1,83 @@
+"""What the gateway knows of one API shape (a route family such as OpenAI chat completions), in one value.
+
+Each shape module (gateway/shapes/chat.py, completions.py, passthrough.py) builds one ``ApiShape``;
+gateway/shapes/__init__.py lists them in ``SHAPES``, the one table the app mounts its routes and its hot
+path from. The endpoint serving a shape holds it and writes it on every ``RequestContext`` it makes
+(``ctx.shape``); the phases' modules read the facts they need from there (the guard its text key, the
+reasoning filter its rewriter, the observers the usage reader, the relay the error rendering), never a path.
+
+This module imports no shape and no feature module: a shape module may use a feature's pure helpers, and
+``gateway/context.py`` can name the type without a circle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from config.settings import ReasoningFields, RoutingConfig
+from gateway.errors import GatewayError
+from gateway.observe import Usage, parse_usage
+
+#: The body's model, or a ``BadRequest`` in the route's own error shape: checks only the fields the
+#: gateway reads itself (everything else is forwarded as the client's bytes).
+Validate = Callable[[dict[str, Any]], str]
+#: The conversation key of a validated body (model included), from the fields the shape says identify a
+#: conversation; the hashing itself stays in ``routing.keys`` (pure).
+ConversationKey = Callable[[dict[str, Any], str, RoutingConfig], str]
+#: The answer's usage from the last bytes of its body or stream (None: not reported).
+UsageReader = Callable[[bytes], Usage | None]
+#: Rewrite one parsed response document (a stream chunk when ``streamed``, else the whole body) in place so
+#: its reasoning text is in the configured fields; raise ``ValueError``/``LookupError``/``TypeError`` when the
+#: document is not of the shape expected (it then goes on as the engine's own bytes).
+ReasoningRewrite = Callable[[dict[str, Any], ReasoningFields, bool], None]
+
+
+class ThinkingUse(StrEnum):
+    """What the thinking budget (gateway/budgets.py) does with a request of this shape."""
+
+    RESOLVE = "resolve"  # read and validated (a bad value is a 400), then spelled per dialect
+    REFUSE = "refuse"  # a budget field is refused with a 400: the shape has no reasoning to cap
+    IGNORE = "ignore"  # not looked at (bodies the gateway does not own)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How an error reaches a client of this shape: a whole response's body, and the end of a stream that
+    broke after its head was sent (an SSE event the client's SDK reads as an error, then its terminator)."""
+
+    body: Callable[[GatewayError], bytes]
+    stream_end: Callable[[GatewayError], bytes]
+    content_type: bytes = b"application/json"
+
+
+def openai_body(err: GatewayError) -> bytes:
+    return err.body()  # {"error": {"message", "type", "param", "code"}} (gateway/errors.py)
+
+
+def openai_stream_end(err: GatewayError) -> bytes:
+    return b"event: error\ndata: " + err.body() + b"\n\ndata: [DONE]\n\n"
+
+
+#: OpenAI's error object, and a stream ended with an error event and ``[DONE]``.
+OPENAI_ERRORS = ErrorShape(openai_body, openai_stream_end)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiShape:
+    """One API shape: its route, what the gateway owns of its requests, where its answers keep what the
+    gateway reads. ``key`` None: no conversations (routed least-loaded, keyed by the path)."""
+
+    name: str  # stable, for logs and tests
+    path: str  # the route, and the path forwarded upstream (a trailing slash reaches the same endpoint)
+    validate: Validate
+    key: ConversationKey | None
+    errors: ErrorShape = OPENAI_ERRORS
+    usage: UsageReader = parse_usage
+    #: The JSON key whose string values the output guard compares, in the engine's own bytes.
+    text_key: bytes = b'"content":'
+    reasoning: ReasoningRewrite | None = None  # None: its answers carry no reasoning to rewrite
+    thinking: ThinkingUse = ThinkingUse.IGNORE
+    vision: bool = False  # its requests may hold ``image_url`` parts in ``messages`` (gateway/vision.py)
