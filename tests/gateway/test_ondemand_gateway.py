@@ -61,9 +61,10 @@ class Timeline:
 
     def _wrap(self, bid: str, inner: Callable[[Lifecycle], None] | None) -> Callable[[Lifecycle], None]:
         def on_change(lc: Lifecycle) -> None:
+            at = time.monotonic()  # before the fleet's own listener, which tells the scheduler (its ready_at)
             if inner is not None:
                 inner(lc)
-            self.seen.append((bid, lc.state, time.monotonic(), lc.reason))
+            self.seen.append((bid, lc.state, at, lc.reason))
             self.changed.set()
 
         return on_change
