@@ -29,6 +29,7 @@ from backends.registry import Registry
 from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
 from gateway.admin import Admin
 from gateway.admin.ports import AdminPorts
+from gateway.admission import AdmissionControl
 from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.context import RequestContext
@@ -38,7 +39,7 @@ from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFou
 from gateway.guard import OutputGuard
 from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
-from gateway.metrics import Metrics, OnDemandMetrics
+from gateway.metrics import AdmissionMetrics, Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
@@ -107,6 +108,13 @@ class Gateway:
         if self.fleet.demand is not None:
             self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
             self.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
+        # Admission per backend (gateway/admission.py): engines get what they can start; the rest waits here.
+        self.admission: AdmissionControl | None = None
+        if settings.admission.enabled:
+            classes = list(settings.admission.classes)
+            self.admission = AdmissionControl(
+                settings.admission, AdmissionMetrics(self.metrics.registry, classes)
+            )
         self.sidecar, vision = self._vision(settings)
         # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
         self.feedback: RoutingFeedback | None = None
@@ -137,6 +145,7 @@ class Gateway:
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.waiting] if self.waiting is not None else []),
+            *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
             *vision,
             BudgetStep(self.budgets, self.metrics),
             *([self.feedback] if self.feedback is not None else []),
