@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import Send
@@ -81,6 +82,12 @@ class AdmissionControl:
         self._waiters: dict[int, asyncio.Future[Refusal | None]] = {}
         self._ids = itertools.count(1)
         self._trusted = frozenset(cfg.class_header_clients)
+        self._changed = asyncio.Event()  # set, and replaced, whenever a request queued, left or was decided
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds, checked whenever admission's state changes (tests, status)."""
+        while not predicate():
+            await self._changed.wait()
 
     # -- the Admission phase: only the stream's send, so that a long wait can answer its head early --
 
@@ -174,6 +181,8 @@ class AdmissionControl:
                 waiter.set_result(refusal)
         for name in self.specs:
             self.metrics.depth(name, self.scheduler.depth(name))
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def _record(self, ticket: Ticket, outcome: str) -> None:
         self.metrics.waited(ticket.klass, ticket.client, time.monotonic() - ticket.arrived, outcome)
