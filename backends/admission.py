@@ -8,6 +8,9 @@ admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one
   default); the rest wait here, not in the engine's first-come-first-served queue.
 - When a backend has room, the next request is taken from the highest class (lowest ``rank``) that has a
   waiter for that backend: strict priority (a batch class runs on what interactive work leaves).
+- Headroom: a class with ``headroom`` h is admitted only while its backend runs fewer than capacity - h, so
+  the last h slots stay free for higher classes (an interactive turn then starts at once instead of after
+  one slot turnover; the price is h slots idle while only that class has work).
 - Fair share within a class, by virtual time over tokens: each client has a usage (tokens charged); the
   waiting client with the least usage goes first, oldest request first within a client. A request is charged
   its estimate when admitted and corrected to its actual usage when it finishes. A client that becomes active
@@ -41,6 +44,7 @@ class ClassSpec:
     max_queued: int
     timeout_s: float
     retry_after_s: float
+    headroom: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +123,8 @@ class AdmissionScheduler:
     def arrive(self, ticket: Ticket, now: float) -> Outcome:
         """A request for ``ticket.backend``: admitted now, queued, or refused (its class is full)."""
         c = self._classes[ticket.klass]
-        if c.depth >= c.spec.max_queued and self.running(ticket.backend) >= self.capacity(ticket.backend):
+        room = self.capacity(ticket.backend) - self.running(ticket.backend)
+        if c.depth >= c.spec.max_queued and room <= c.spec.headroom:
             return Outcome(refused=(Refusal(ticket, Why.QUEUE_FULL, c.spec.retry_after_s),))
         if not c.active.get(ticket.client):
             c.usage[ticket.client] = max(c.usage.get(ticket.client, 0.0), c.clock)
@@ -180,7 +185,10 @@ class AdmissionScheduler:
         return Outcome(admitted=tuple(admitted)) if admitted else NOTHING
 
     def _next(self, backend: str) -> Ticket | None:
+        room = self.capacity(backend) - self.running(backend)
         for c in self._classes.values():  # by rank
+            if room <= c.spec.headroom:
+                continue
             best: Ticket | None = None
             best_usage = 0.0
             for client, queue in c.waiting.items():

@@ -250,6 +250,9 @@ class AdmissionClassConfig(_Section):
     max_queued: int = Field(default=256, ge=1, description="Waiting requests of this class, all backends")
     timeout_s: float = Field(default=60.0, gt=0, description="A waiting request gets a 503 after this")
     retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After of this class's 503s")
+    headroom: int = Field(
+        default=0, ge=0, description="Slots of each backend this class leaves free for higher classes"
+    )
 
 
 def _default_classes() -> dict[str, AdmissionClassConfig]:

@@ -75,7 +75,7 @@ class AdmissionControl:
         self.cfg = cfg
         self.metrics = metrics
         self.specs = {
-            name: ClassSpec(name, rank, c.max_queued, c.timeout_s, c.retry_after_s)
+            name: ClassSpec(name, rank, c.max_queued, c.timeout_s, c.retry_after_s, c.headroom)
             for rank, (name, c) in enumerate(cfg.classes.items())
         }
         self.scheduler = AdmissionScheduler(tuple(self.specs.values()), cfg.max_in_flight, cfg.backends)

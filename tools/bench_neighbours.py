@@ -6,6 +6,7 @@ One simulated engine runs ``MAX_RUNNING`` requests at a time and queues the rest
 
 - ``alone`` / ``alone+admission``: B without A, admission off / on (B's baseline);
 - ``flood`` / ``flood+admission``: A and B; with admission A's key is ``batch`` and B's ``interactive``;
+- ``flood+admission@headroom``: the same, the batch class leaving the engine's last slot free;
 - ``flood+admission@one-class``: A and B in the same class (fair share alone decides).
 
 Reported per variant: B's TTFT p50 and p95, B's turns, and the engine's completion tokens per second over
@@ -35,7 +36,14 @@ FLOOD_TOKENS = 64  # each of A's answers (ignore_eos: exactly this many)
 TURN_TOKENS = 8
 TURNS = 15  # B's questions per variant
 KEYS = {"flood": "key-flood", "person": "key-person"}
-VARIANTS = ("alone", "alone+admission", "flood", "flood+admission", "flood+admission@one-class")
+VARIANTS = (
+    "alone",
+    "alone+admission",
+    "flood",
+    "flood+admission",
+    "flood+admission@headroom",
+    "flood+admission@one-class",
+)
 SCENARIOS = {
     "noisy-neighbour": "B's TTFT p95 with A <= 1.5x B alone (A batch, B interactive); "
     "one class: B's p95 <= one slot turnover; tokens/s within 5 % of no admission",
@@ -75,6 +83,9 @@ def start_gateway(launch: Launcher, engine: Engine, variant: str, name: str) -> 
     admission: dict[str, Any] = {"enabled": "+admission" in variant, "max_in_flight": MAX_RUNNING}
     if not variant.endswith("@one-class"):
         admission["clients"] = {"flood": "batch", "person": "interactive"}
+    if variant.endswith("@headroom"):  # the engine's last slot is kept for interactive turns
+        batch = {"max_queued": 1024, "timeout_s": 600, "headroom": 1}
+        admission["classes"] = {"interactive": {}, "standard": {}, "batch": batch}
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
         "backends": [{"id": engine.id, "url": engine.url, "models": [MODEL]}],

@@ -198,3 +198,17 @@ def test_raising_capacity_admits_waiters() -> None:
     s.arrive(w1, 0)
     s.arrive(w2, 0)
     assert sorted(ids(s.set_capacity("b1", 3))) == sorted([w1.id, w2.id])
+
+
+def test_headroom_keeps_the_last_slots_for_higher_classes() -> None:
+    classes = (
+        CLASSES[0],
+        ClassSpec("batch", 1, max_queued=100, timeout_s=60.0, retry_after_s=5.0, headroom=1),
+    )
+    s = AdmissionScheduler(classes, default_capacity=3)
+    flood = [ticket("A") for _ in range(4)]
+    assert [len(s.arrive(t, 0).admitted) for t in flood] == [1, 1, 0, 0]  # 2 of 3 slots: one kept free
+    turn = ticket("B", "interactive")
+    assert ids(s.arrive(turn, 0)) == [turn.id]  # at once, no turnover to wait for
+    assert s.finish(turn, None) == Outcome()  # the freed slot is headroom again: batch still waits
+    assert ids(s.finish(flood[0], None)) == [flood[2].id]
