@@ -130,6 +130,27 @@ class AdmissionControl:
         self._apply(self.scheduler.finish(ticket, used))
         self.metrics.running[ticket.backend] = self.scheduler.running(ticket.backend)
 
+    def status(self) -> dict[str, Any]:
+        """What the admin API shows: each class's queue, each backend's admitted requests, per-key counts."""
+        classes = {
+            name: {
+                "rank": spec.rank,
+                "waiting": self.scheduler.depth(name),
+                "max_queued": spec.max_queued,
+                "timeout_s": spec.timeout_s,
+                "headroom": spec.headroom,
+            }
+            for name, spec in self.specs.items()
+        }
+        backends = {
+            backend: {"running": running, "capacity": self.scheduler.capacity(backend)}
+            for backend, running in sorted(self.metrics.running.items())
+        }
+        clients: dict[str, dict[str, int]] = {}
+        for (client, outcome), n in sorted(self.metrics.clients.items()):
+            clients.setdefault(client, {})[outcome] = n
+        return {"classes": classes, "backends": backends, "clients": clients}
+
     def class_of(self, ctx: RequestContext) -> str:
         if ctx.client is not None and ctx.client in self._trusted:
             asked = next((v for k, v in ctx.headers if k == CLASS_HEADER), None)

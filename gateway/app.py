@@ -323,6 +323,7 @@ def create_app(
             policy=settings.routing.policy.value,
             endpoints={"/v1/chat/completions": chat, "/v1/completions": completions},
             feedback=gw.feedback,
+            admission=gw.admission,
         )
     )
     status = StatusPage(gw.registry, gw.fleet, gw.store, gw.metrics, settings.routing.spill_min_in_flight)

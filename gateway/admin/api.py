@@ -31,6 +31,7 @@ from gateway.admin.body import (
 )
 from gateway.admin.explain import Explainer
 from gateway.admin.models import (
+    AdmissionView,
     AffinityStats,
     BackendList,
     BackendPatch,
@@ -236,6 +237,12 @@ class AdminApi:
         )
         return json_response(stats)
 
+    async def admission(self, _request: Request) -> Response:
+        control = self.gw.admission
+        if control is None:
+            return json_response(AdmissionView(enabled=False))
+        return json_response(AdmissionView(enabled=True, **control.status()))
+
     # -- changes ------------------------------------------------------------------------------------
 
     async def changes(self, request: Request) -> Response:
@@ -439,6 +446,9 @@ def operations(api: AdminApi) -> list[Operation]:
             "DELETE", "/pins/{key}", api.forget_pin, "Forget a conversation's pin", Forgotten, errors=(404,)
         ),
         Operation("GET", "/affinity", api.affinity, "Affinity statistics", AffinityStats),
+        Operation(
+            "GET", "/admission", api.admission, "Admission queues per class, backends, keys", AdmissionView
+        ),
         Operation(
             "GET",
             "/changes",
