@@ -39,7 +39,7 @@ from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFou
 from gateway.guard import OutputGuard
 from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
-from gateway.metrics import AdmissionMetrics, Metrics, OnDemandMetrics
+from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
@@ -111,10 +111,8 @@ class Gateway:
         # Admission per backend (gateway/admission.py): engines get what they can start; the rest waits here.
         self.admission: AdmissionControl | None = None
         if settings.admission.enabled:
-            classes = list(settings.admission.classes)
-            self.admission = AdmissionControl(
-                settings.admission, AdmissionMetrics(self.metrics.registry, classes)
-            )
+            metrics = self.metrics.admitting(list(settings.admission.classes))
+            self.admission = AdmissionControl(settings.admission, metrics)
         self.sidecar, vision = self._vision(settings)
         # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
         self.feedback: RoutingFeedback | None = None

@@ -97,6 +97,13 @@ class Metrics:
         r.register(self.backends)
         self.clients = ClientRequests()
         r.register(self.clients)
+        self.admission: AdmissionMetrics | None = None  # admission's, when it is enabled (``admitting``)
+
+    def admitting(self, classes: Sequence[str]) -> AdmissionMetrics:
+        """Admission's collectors (gateway/admission.py), registered here once; the status page reads them."""
+        if self.admission is None:
+            self.admission = AdmissionMetrics(self.registry, classes)
+        return self.admission
 
     def decision(self, reason: Reason) -> None:
         self.tally.decisions[reason] += 1

@@ -13,6 +13,7 @@ KEYS = {"client_keys": [{"name": "alice", "key": "k-alice"}, {"name": "cron", "k
 def test_admission_off_by_default_is_not_in_the_request_path(cluster: ClusterFactory) -> None:
     c = cluster(["a"])
     assert c.gateway.admission is None and c.gateway.proxy.phases.seating == ()
+    assert "<h2>Admission</h2>" not in httpx.get(c.url + "/admin/status").text
     assert httpx.get(c.url + "/admin/admission").json() == {
         "enabled": False,
         "classes": {},
@@ -51,3 +52,7 @@ def test_admitted_requests_are_counted_per_key_name_and_every_slot_returns(clust
         'warmroute_admission_in_flight{backend="a"} 0.0'
     ]
     assert c.in_flight() == 0
+    page = httpx.get(c.url + "/admin/status").text
+    assert "<h2>Admission</h2>" in page
+    assert "<tr><td>alice</td><td>2</td><td>0</td></tr><tr><td>cron</td><td>1</td><td>0</td></tr>" in page
+    assert "<tr><td>interactive</td><td>0</td></tr>" in page
