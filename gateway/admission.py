@@ -83,11 +83,16 @@ class AdmissionControl:
         self._ids = itertools.count(1)
         self._trusted = frozenset(cfg.class_header_clients)
         self._changed = asyncio.Event()  # set, and replaced, whenever a request queued, left or was decided
+        self._watchers = 0  # ``until`` callers: the fast path announces only when someone listens
 
     async def until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds, checked whenever admission's state changes (tests, status)."""
-        while not predicate():
-            await self._changed.wait()
+        self._watchers += 1
+        try:
+            while not predicate():
+                await self._changed.wait()
+        finally:
+            self._watchers -= 1
 
     # -- the Admission phase: only the stream's send, so that a long wait can answer its head early --
 
@@ -105,9 +110,15 @@ class AdmissionControl:
         klass = self.class_of(ctx)
         now = time.monotonic()
         ticket = Ticket(next(self._ids), backend, ctx.client or "", klass, self.estimate(ctx), now)
+        outcome = self.scheduler.arrive(ticket, now)
+        if ticket in outcome.admitted:  # room, nobody waiting for it: no future
+            self._record(ticket, ADMITTED)
+            if self._watchers:
+                self._announce()
+            return Seat(self, ticket, ctx)
         waiter: asyncio.Future[Refusal | None] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = waiter
-        self._apply(self.scheduler.arrive(ticket, now))
+        self._apply(outcome)
         try:
             if not waiter.done():
                 await self._wait(ticket, waiter, send)
@@ -202,6 +213,9 @@ class AdmissionControl:
                 waiter.set_result(refusal)
         for name in self.specs:
             self.metrics.depth(name, self.scheduler.depth(name))
+        self._announce()
+
+    def _announce(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
