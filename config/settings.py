@@ -288,6 +288,11 @@ class AdmissionConfig(_Section):
         default=256, ge=1, description="Completion tokens estimated for a request without max_tokens"
     )
     keepalive_s: float = Field(default=5.0, gt=0, description="SSE comment interval while a stream waits")
+    engine_priority: list[str] = Field(
+        default_factory=list,
+        description="Backend ids that schedule by priority (vLLM --scheduling-policy priority): "
+        "their requests carry `priority: <class rank>` (0 first)",
+    )
 
     @model_validator(mode="after")
     def _classes_known(self) -> AdmissionConfig:

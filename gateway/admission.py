@@ -14,6 +14,8 @@ the load a policy sees is the engine's own in-flight requests, which admission k
 - A stream that has waited ``keepalive_s`` is answered its ``200 text/event-stream`` head and sent an SSE
   comment every ``keepalive_s`` (through the waiting room's ``EarlyHeadSend``; a refusal after that is an
   SSE ``error`` event).
+- Backends in ``engine_priority`` (vLLM under ``--scheduling-policy priority``) are sent the class's rank as
+  the request's ``priority`` (0 first, as vLLM orders it), unless the client set one; others get nothing new.
 - The client leaving (the proxy's task cancelled) leaves the queue at once; a seat already granted is given
   back. The ``Seat`` is released in the proxy's finish, whatever happened; releasing admits the next waiter.
 
@@ -32,8 +34,9 @@ from typing import Any
 from starlette.types import Send
 
 from backends.admission import AdmissionScheduler, ClassSpec, Outcome, Refusal, Ticket, Why
+from backends.registry import Backend
 from config.settings import AdmissionConfig
-from gateway.context import RequestContext
+from gateway.context import Draft, RequestContext
 from gateway.errors import ServerBusy
 from gateway.metrics import AdmissionMetrics
 from gateway.waiting import EarlyHeadSend
@@ -82,6 +85,7 @@ class AdmissionControl:
         self._waiters: dict[int, asyncio.Future[Refusal | None]] = {}
         self._ids = itertools.count(1)
         self._trusted = frozenset(cfg.class_header_clients)
+        self._by_priority = frozenset(cfg.engine_priority)
         self._changed = asyncio.Event()  # set, and replaced, whenever a request queued, left or was decided
         self._watchers = 0  # ``until`` callers: the fast path announces only when someone listens
 
@@ -140,6 +144,12 @@ class AdmissionControl:
     def finished(self, ticket: Ticket, used: int | None) -> None:
         self._apply(self.scheduler.finish(ticket, used))
         self.metrics.running[ticket.backend] = self.scheduler.running(ticket.backend)
+
+    # -- PrepareStep: the class, told to engines that schedule by priority ----------------------------
+
+    async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        if backend.id in self._by_priority and "priority" not in (draft.read() or {}):
+            draft.edit()["priority"] = self.specs[self.class_of(ctx)].rank
 
     def status(self) -> dict[str, Any]:
         """What the admin API shows: each class's queue, each backend's admitted requests, per-key counts."""

@@ -237,3 +237,26 @@ async def test_a_failed_first_attempt_gives_its_slot_back_before_the_retry() -> 
     status, _, _ = await Client(rig, context("a", "a-0")).answer()
     assert status == 500  # one backend: nobody else to ask
     await rig.idle()
+
+
+async def test_an_engine_that_schedules_by_priority_is_told_the_class_rank() -> None:
+    rig = Rig(clients={"alice": "interactive"}, engine_priority=["a"])
+    rig.fake.script("http://a", Reply.json({"ok": True}), Reply.json({"ok": True}))
+    for client in ("alice", "docs"):
+        assert (await Client(rig, context(client, client)).answer())[0] == 200
+    sent = [json.loads(r.body) for r in rig.fake.requests]
+    assert [(b["messages"][0]["content"], b["priority"]) for b in sent] == [("alice", 0), ("docs", 1)]
+    assert rig.fake.requests[0].body == (
+        b'{"model":"m","messages":[{"role":"user","content":"alice"}],"max_tokens":16,"stream":false,'
+        b'"priority":0}'
+    )
+    await rig.idle()
+
+
+async def test_other_engines_get_the_clients_bytes_unchanged() -> None:
+    rig = Rig(clients={"alice": "interactive"})
+    rig.fake.script("http://a", Reply.json({"ok": True}))
+    ctx = context("alice", "alice")
+    assert (await Client(rig, ctx).answer())[0] == 200
+    assert rig.fake.requests[0].body == ctx.raw
+    await rig.idle()
