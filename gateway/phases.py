@@ -6,12 +6,13 @@ once, at construction (nothing on the hot path asks a module what it implements)
 
 - admission (``Admission``): before routing; a request for an on-demand engine waits (gateway/waiting.py);
 - route filter (``RouteFilter``): backends the request cannot use at all (gateway/vision.py);
-- backend admission (``BackendAdmission``): after routing, per attempt: the request waits for room on the
-  backend chosen (gateway/admission.py);
 - route inputs (``RouteInputs``): the routing policy's candidates and request, and the key it pins under
   (``ctx.route_key``; the endpoint's ``ctx.key`` is never rewritten) (gateway/learning.py);
+- backend admission (``BackendAdmission``): after routing, per attempt: the request waits for room on the
+  backend chosen (gateway/admission.py);
 - upstream request filter (``PrepareStep``): per attempt, shapes that attempt's ``Draft`` and writes what it
-  decided on the attempt, never on the inbound request (gateway/budgets.py, gateway/vision.py);
+  decided on the attempt, never on the inbound request (gateway/budgets.py, gateway/vision.py, the engine
+  priority of gateway/admission.py);
 - response and body filter (``BodyFilters``): per attempt, a ``BodyFilter`` fed the response's events (or its
   body), in module order: the output guard, reasoning fields, continuation stitching (gateway/relay.py runs
   them); a filter may ask for a follow-up exchange on the same lease (the gateway-enforced thinking budget);
