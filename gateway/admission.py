@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from gateway.context import Draft, RequestContext
 from gateway.errors import ServerBusy
 from gateway.metrics import AdmissionMetrics
 from gateway.waiting import EarlyHeadSend
+
+log = logging.getLogger("warmroute.admission")
 
 CLASS_HEADER = b"x-warmroute-class"
 ADMITTED = "admitted"
@@ -69,8 +72,14 @@ class Seat:
 
     def release(self) -> None:
         owner, self._owner = self._owner, None
-        if owner is not None:
-            owner.finished(self._ticket, _used(self._ctx))
+        if owner is None:
+            return
+        try:
+            used = _used(self._ctx)
+        except Exception:  # a defect reading the usage must not keep the slot: the estimate stands
+            log.exception("admission: reading a finished request's usage failed")
+            used = None
+        owner.finished(self._ticket, used)
 
 
 class AdmissionControl:
@@ -126,7 +135,7 @@ class AdmissionControl:
         try:
             if not waiter.done():
                 await self._wait(ticket, waiter, send)
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled (the client left), or its keep-alive could not be sent
             self._gone(ticket, waiter)
             raise
         refusal = waiter.result()

@@ -260,3 +260,28 @@ async def test_other_engines_get_the_clients_bytes_unchanged() -> None:
     assert (await Client(rig, ctx).answer())[0] == 200
     assert rig.fake.requests[0].body == ctx.raw
     await rig.idle()
+
+
+async def test_a_keepalive_that_cannot_be_sent_leaves_the_queue() -> None:
+    rig = Rig(keepalive_s=0.01)
+    (gate,) = rig.hold(1)
+    running = Client(rig, context("a", "a-0"))
+    await rig.admission.until(lambda: rig.admission.scheduler.running("a") == 1)
+
+    async def broken(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")  # the head went, the first comment cannot
+
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    with pytest.raises(OSError):
+        await rig.proxy.forward(receive, broken, context("b", "b-0", stream=True))
+    assert rig.admission.scheduler.depth("batch") == 0
+    gate.set()
+    assert (await running.answer())[0] == 200
+    assert rig.received() == ["a-0"]
+    await rig.idle()
