@@ -244,6 +244,67 @@ class OnDemandConfig(_Section):
     )
 
 
+class AdmissionClassConfig(_Section):
+    """One priority class of admission: its bounded queue and how long a request may wait in it."""
+
+    max_queued: int = Field(default=256, ge=1, description="Waiting requests of this class, all backends")
+    timeout_s: float = Field(default=60.0, gt=0, description="A waiting request gets a 503 after this")
+    retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After of this class's 503s")
+    headroom: int = Field(
+        default=0, ge=0, description="Slots of each backend this class leaves free for higher classes"
+    )
+
+
+def _default_classes() -> dict[str, AdmissionClassConfig]:
+    return {
+        "interactive": AdmissionClassConfig(timeout_s=30.0),
+        "standard": AdmissionClassConfig(),
+        "batch": AdmissionClassConfig(max_queued=1024, timeout_s=600.0, retry_after_s=10.0),
+    }
+
+
+class AdmissionConfig(_Section):
+    """Admission per backend: the gateway sends an engine only ``max_in_flight`` requests and holds the rest,
+    taking the next by priority class, then by fair share of tokens among the class's clients."""
+
+    enabled: bool = Field(default=False, description="Queue requests in the gateway, per backend")
+    max_in_flight: int = Field(default=8, ge=1, description="Requests each backend runs at once (default)")
+    backends: dict[str, int] = Field(
+        default_factory=dict, description="Per backend id: its own max_in_flight"
+    )
+    classes: dict[str, AdmissionClassConfig] = Field(
+        default_factory=_default_classes,
+        description="Priority classes, highest first (the order written is the order served)",
+    )
+    default_class: str = Field(default="standard", description="The class of a request without one")
+    clients: dict[str, str] = Field(
+        default_factory=dict, description="Client key name (auth.client_keys) -> its class"
+    )
+    class_header_clients: list[str] = Field(
+        default_factory=list,
+        description="Client key names trusted to pick a class with `x-warmroute-class: <name>`",
+    )
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="Completion tokens estimated for a request without max_tokens"
+    )
+    keepalive_s: float = Field(default=5.0, gt=0, description="SSE comment interval while a stream waits")
+    engine_priority: list[str] = Field(
+        default_factory=list,
+        description="Backend ids that schedule by priority (vLLM --scheduling-policy priority): "
+        "their requests carry `priority: <class rank>` (0 first)",
+    )
+
+    @model_validator(mode="after")
+    def _classes_known(self) -> AdmissionConfig:
+        names = set(self.classes)
+        if not names:
+            raise ValueError("admission.classes: at least one class")
+        unknown = sorted({self.default_class, *self.clients.values()} - names)
+        if unknown:
+            raise ValueError(f"admission: unknown classes {unknown} (declared: {', '.join(self.classes)})")
+        return self
+
+
 class BreakerConfig(_Section):
     """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic (a 5xx is judged
     with the request's other attempt first: gateway/blame.py)."""
@@ -747,6 +808,7 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     groups: dict[str, GroupConfig] = Field(default_factory=dict, description="Exclusive on-demand groups")
     on_demand: OnDemandConfig = OnDemandConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     sidecar: SidecarConfig | None = Field(default=None, description="Vision sidecar for embeds backends")
 
     @model_validator(mode="after")

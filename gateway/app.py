@@ -29,6 +29,7 @@ from backends.registry import Registry
 from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
 from gateway.admin import Admin
 from gateway.admin.ports import AdminPorts
+from gateway.admission import AdmissionControl
 from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.context import RequestContext
@@ -109,6 +110,11 @@ class Gateway:
         if self.fleet.demand is not None:
             self.fleet.demand.metrics = OnDemandMetrics(self.metrics.registry)
             self.waiting = WaitingRoom(self.fleet, settings.on_demand, _hold_trust(settings))
+        # Admission per backend (gateway/admission.py): engines get what they can start; the rest waits here.
+        self.admission: AdmissionControl | None = None
+        if settings.admission.enabled:
+            metrics = self.metrics.admitting(list(settings.admission.classes))
+            self.admission = AdmissionControl(settings.admission, metrics)
         self.sidecar, vision = self._vision(settings)
         # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
         self.feedback: RoutingFeedback | None = None
@@ -139,6 +145,7 @@ class Gateway:
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.waiting] if self.waiting is not None else []),
+            *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
             *vision,
             BudgetStep(self.budgets, self.metrics),
             *([self.feedback] if self.feedback is not None else []),
@@ -341,6 +348,7 @@ def create_app(
             policy=settings.routing.policy.value,
             endpoints=served,
             feedback=gw.feedback,
+            admission=gw.admission,
         )
     )
     status = StatusPage(gw.registry, gw.fleet, gw.store, gw.metrics, settings.routing.spill_min_in_flight)

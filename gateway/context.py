@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from backends.registry import Backend, Lease
 from gateway.images import VisionMemo
@@ -25,6 +25,10 @@ from gateway.thinking import Thinking
 from gateway.transport import TransportResponse
 from routing.policies import Policy
 from routing.types import Reason
+
+
+class Release(Protocol):
+    def release(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -52,6 +56,7 @@ class RequestContext:
     reason: Reason = Reason.NO_BACKEND
     pinned: str | None = None  # the conversation's pin after the routing phase
     lease: Lease | None = None  # the attempt in progress holds one (released before a retry)
+    seats: tuple[Release, ...] = ()  # the attempt's room on its backend (gateway/admission.py)
     attempt: Attempt | None = None  # the attempt in progress (the one answered, once the relay runs)
     upstream: TransportResponse | None = None  # closed in ``finish``: that is what cancels the engine's work
     outcome: RequestOutcome = RequestOutcome.UPSTREAM_ERROR

@@ -97,6 +97,13 @@ class Metrics:
         r.register(self.backends)
         self.clients = ClientRequests()
         r.register(self.clients)
+        self.admission: AdmissionMetrics | None = None  # admission's, when it is enabled (``admitting``)
+
+    def admitting(self, classes: Sequence[str]) -> AdmissionMetrics:
+        """Admission's collectors (gateway/admission.py), registered here once; the status page reads them."""
+        if self.admission is None:
+            self.admission = AdmissionMetrics(self.registry, classes)
+        return self.admission
 
     def decision(self, reason: Reason) -> None:
         self.tally.decisions[reason] += 1
@@ -569,6 +576,59 @@ def _histogram(table: dict[_V, _Histogram], key: _V) -> _Histogram:
     if h is None:
         h = table[key] = _Histogram(_STARTING_BUCKETS, _STARTING_LABELS)
     return h
+
+
+class AdmissionMetrics(Collector):
+    """Admission per backend (gateway/admission.py), registered on ``r``. Labels: class names and backend ids
+    from the configuration, client key names from the configuration ("" for requests without a key), and
+    the outcomes ``admitted``, ``queue_full``, ``timeout``, ``left``."""
+
+    def __init__(self, r: CollectorRegistry, classes: Sequence[str]) -> None:
+        self.depths: dict[str, int] = dict.fromkeys(classes, 0)
+        self.running: dict[str, int] = {}  # backend -> admitted, not finished
+        self.waits: dict[tuple[str, str], _Histogram] = {}  # (class, outcome)
+        self.clients: dict[tuple[str, str], int] = {}  # (client, outcome)
+        r.register(self)
+
+    def depth(self, klass: str, waiting: int) -> None:
+        self.depths[klass] = waiting
+
+    def waited(self, klass: str, client: str, seconds: float, outcome: str) -> None:
+        h = self.waits.get((klass, outcome))
+        if h is None:
+            h = self.waits[(klass, outcome)] = _Histogram()
+        h.observe(seconds)
+        _bump(self.clients, (client, outcome))
+
+    def collect(self) -> _Families:
+        depth = GaugeMetricFamily(
+            "warmroute_admission_queue_depth", "Requests waiting for a backend's room", labels=["class"]
+        )
+        for klass, n in list(self.depths.items()):
+            depth.add_metric([klass], n)
+        yield depth
+        running = GaugeMetricFamily(
+            "warmroute_admission_in_flight",
+            "Requests admitted to a backend, not finished",
+            labels=["backend"],
+        )
+        for backend, n in list(self.running.items()):
+            running.add_metric([backend], n)
+        yield running
+        wait = HistogramMetricFamily(
+            "warmroute_admission_wait_seconds",
+            "Time requests waited for admission, by class and outcome (admitted or why refused)",
+            labels=["class", "outcome"],
+        )
+        for (klass, outcome), h in list(self.waits.items()):
+            wait.add_metric([klass, outcome], h.cumulative(), h.sum)
+        yield wait
+        yield from _counter(
+            "warmroute_admission_requests",
+            "Requests admitted or refused by admission, per client key name",
+            ("client", "outcome"),
+            self.clients,
+        )
 
 
 class ClientRequests(Collector):

@@ -8,8 +8,11 @@ once, at construction (nothing on the hot path asks a module what it implements)
 - route filter (``RouteFilter``): backends the request cannot use at all (gateway/vision.py);
 - route inputs (``RouteInputs``): the routing policy's candidates and request, and the key it pins under
   (``ctx.route_key``; the endpoint's ``ctx.key`` is never rewritten) (gateway/learning.py);
+- backend admission (``BackendAdmission``): after routing, per attempt: the request waits for room on the
+  backend chosen (gateway/admission.py);
 - upstream request filter (``PrepareStep``): per attempt, shapes that attempt's ``Draft`` and writes what it
-  decided on the attempt, never on the inbound request (gateway/budgets.py, gateway/vision.py);
+  decided on the attempt, never on the inbound request (gateway/budgets.py, gateway/vision.py, the engine
+  priority of gateway/admission.py);
 - response and body filter (``BodyFilters``): per attempt, a ``BodyFilter`` fed the response's events (or its
   body), in module order: the output guard, reasoning fields, continuation stitching (gateway/relay.py runs
   them); a filter may ask for a follow-up exchange on the same lease (the gateway-enforced thinking budget);
@@ -27,14 +30,10 @@ from typing import Any, Protocol, runtime_checkable
 from starlette.types import Send
 
 from backends.registry import Backend, Lease
-from gateway.context import Attempt, Draft, RequestContext
+from gateway.context import Attempt, Draft, Release, RequestContext
 from gateway.observe import Observation
 from gateway.sse import Piece
 from routing.types import Decision, RouteRequest
-
-
-class Release(Protocol):
-    def release(self) -> None: ...
 
 
 @runtime_checkable
@@ -45,6 +44,15 @@ class Admission(Protocol):
     def wrap(self, ctx: RequestContext, send: Send) -> Send: ...
 
     async def enter(self, ctx: RequestContext, send: Send) -> Release | None: ...
+
+
+@runtime_checkable
+class BackendAdmission(Protocol):
+    """After routing, before each attempt: wait until ``backend`` may take the request (``send`` is the one
+    ``Admission.wrap`` made); the seat returned is released when the attempt is abandoned or the request is
+    finished. Raise a ``GatewayError`` to refuse it (answered as is, no retry)."""
+
+    async def seat(self, ctx: RequestContext, backend: str, send: Send) -> Release: ...
 
 
 @runtime_checkable
@@ -160,6 +168,7 @@ class Phases:
     """The modules sorted by phase, in their order; built once per proxy."""
 
     admission: tuple[Admission, ...] = ()
+    seating: tuple[BackendAdmission, ...] = ()
     route_filters: tuple[RouteFilter, ...] = ()
     route_inputs: RouteInputs | None = None
     prepare: tuple[PrepareStep, ...] = ()
@@ -173,6 +182,7 @@ class Phases:
             raise ValueError(f"one module may give the routing inputs, got {len(inputs)}")
         return cls(
             admission=tuple(m for m in modules if isinstance(m, Admission)),
+            seating=tuple(m for m in modules if isinstance(m, BackendAdmission)),
             route_filters=tuple(m for m in modules if isinstance(m, RouteFilter)),
             route_inputs=inputs[0] if inputs else None,
             prepare=tuple(m for m in modules if isinstance(m, PrepareStep)),

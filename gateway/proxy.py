@@ -1,6 +1,6 @@
 """The hot path, as named phases around one ``RequestContext``:
 
-    admission -> route -> (prepare -> send) per attempt, at most two -> relay -> finish
+    admission -> route -> (seat -> prepare -> send) per attempt, at most two -> relay -> finish
 
 Features take part as modules (gateway/phases.py): one ordered tuple given to the constructor, sorted by
 phase once; nothing is attached afterwards (``__slots__``).
@@ -8,6 +8,8 @@ phase once; nothing is attached afterwards (``__slots__``).
 - admission: the modules' ``Admission`` (a request for an on-demand engine waits for it);
 - route: the route filters' ineligible backends, the route inputs' plan (or a snapshot of the candidates),
   the pure policy's ``Decision``, the pin committed to the store under ``ctx.affinity_key``;
+- seat: the ``BackendAdmission`` modules: the attempt waits for room on the backend chosen (per attempt;
+  released when the attempt is abandoned or the request finished);
 - prepare: the ``PrepareStep`` modules shape the attempt's ``Draft`` for the chosen backend (per attempt, from
   the original body; untouched bodies go upstream as the client's own bytes);
 - send: one upstream attempt, transport errors mapped here and nowhere else. A connect error, timeout or 5xx
@@ -39,7 +41,7 @@ from starlette.types import Receive, Send
 from backends.registry import Registry
 from config.settings import TimeoutConfig
 from gateway.blame import OutcomeFeed, settle
-from gateway.context import Attempt, Draft, RequestContext
+from gateway.context import Attempt, Draft, Release, RequestContext
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -52,7 +54,7 @@ from gateway.exchange import Relay, RelayLimits, outcome_of
 from gateway.metrics import Metrics
 from gateway.observe import Observation
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
-from gateway.phases import Phases, Release
+from gateway.phases import Phases
 from gateway.relay import send_error, upstream_headers
 from gateway.shapes.base import ErrorShape
 from gateway.state import AffinityStore, StoreView
@@ -153,7 +155,7 @@ class Proxy:
                     claim = await admission.enter(ctx, send)
                     if claim is not None:
                         claims.append(claim)
-                upstream = await self._open(ctx)
+                upstream = await self._open(ctx, send)
             except GatewayError as err:
                 ctx.outcome = outcome_of(err)
                 ctx.finishing = ctx.responded = True
@@ -186,7 +188,7 @@ class Proxy:
 
     # -- route ----------------------------------------------------------------------------------------
 
-    async def _open(self, ctx: RequestContext) -> TransportResponse:
+    async def _open(self, ctx: RequestContext, send: Send) -> TransportResponse:
         """Route, prepare, send; once more on the next choice if the first backend fails before answering."""
         if ctx.model is not None and not self.registry.serves(ctx.model):
             available = ", ".join(self.registry.models())
@@ -202,6 +204,7 @@ class Proxy:
         backend, refused = await self._choose(ctx, view, frozenset())
         if backend is None:
             raise NoHealthyBackend(self._nothing_ready(ctx.model))
+        await self._seat(ctx, backend, send)
         result = await self._attempt(ctx, backend)
         if not isinstance(result, UpstreamError) and result.status < 500:
             return result
@@ -212,6 +215,7 @@ class Proxy:
                 raise result
             return result  # nobody else to ask: the engine's own 5xx is the most useful answer
         await self._abandon(ctx, result)
+        await self._seat(ctx, retry, send)
         second = await self._attempt(ctx, retry)
         attempts = [(backend, _status(result)), (retry, _status(second))]
         settle(self.feed, ctx.requester, attempts, f"{ctx.method} {ctx.path}")
@@ -260,6 +264,19 @@ class Proxy:
         self.metrics.decision(decision.reason)
         ctx.reason = decision.reason
         return backend
+
+    # -- backend admission ----------------------------------------------------------------------------
+
+    async def _seat(self, ctx: RequestContext, backend: str, send: Send) -> None:
+        """Wait for room on ``backend`` (each ``BackendAdmission``); released by ``_release_seats``."""
+        for seating in self.phases.seating:
+            ctx.seats = (*ctx.seats, await seating.seat(ctx, backend, send))
+
+    @staticmethod
+    def _release_seats(ctx: RequestContext) -> None:
+        seats, ctx.seats = ctx.seats, ()
+        for seat in seats:
+            seat.release()
 
     # -- prepare and send -----------------------------------------------------------------------------
 
@@ -318,6 +335,7 @@ class Proxy:
         if not isinstance(result, UpstreamError):
             await result.aclose()
         ctx.upstream = None
+        self._release_seats(ctx)
         if ctx.lease is not None:
             ctx.lease.release()
 
@@ -332,9 +350,10 @@ class Proxy:
         self.metrics.request(
             NO_BACKEND_LABEL if lease is None else lease.backend.id, ctx.outcome, duration, first_byte
         )
+        if lease is not None and self.phases.observers:
+            self._observe(ctx, lease.backend.id, duration, first_byte)
+        self._release_seats(ctx)  # its usage is known now: the response is over
         if lease is not None:
-            if self.phases.observers:
-                self._observe(ctx, lease.backend.id, duration, first_byte)
             lease.release()  # last: once in-flight reads zero, the request is fully accounted for
 
     def _observe(self, ctx: RequestContext, backend: str, duration: float, first_byte: float | None) -> None:

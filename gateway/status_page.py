@@ -76,6 +76,13 @@ class StatusData:
     degraded: bool
     notes: tuple[LifecycleNote, ...]  # newest first
     now: float
+    admission: AdmissionRows | None = None  # None: admission is off
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRows:
+    waiting: tuple[tuple[str, int], ...]  # per class, highest first
+    clients: tuple[tuple[str, int, int], ...]  # key name, admitted, refused (queue full or timed out)
 
 
 class StatusPage:
@@ -112,7 +119,22 @@ class StatusPage:
             degraded=bool(shared.get("degraded")),
             notes=tuple(reversed(self.metrics.fleet.recent))[:NOTES_SHOWN],
             now=time.time(),
+            admission=self._admission(),
         )
+
+    def _admission(self) -> AdmissionRows | None:
+        m = self.metrics.admission
+        if m is None:
+            return None
+        counts: dict[str, list[int]] = {}
+        for (client, outcome), n in list(m.clients.items()):
+            row = counts.setdefault(client, [0, 0])
+            if outcome == "admitted":
+                row[0] += n
+            elif outcome != "left":
+                row[1] += n
+        clients = tuple((name, a, r) for name, (a, r) in sorted(counts.items()))
+        return AdmissionRows(tuple(m.depths.items()), clients)
 
     def _row(self, backend_id: str, st: dict[str, Any], conversations: Mapping[str, int]) -> BackendRow:
         b = self.registry.backends[backend_id]
@@ -172,6 +194,7 @@ def render(data: StatusData) -> str:
         f"<div class=tiles>{tiles}</div>"
         f"<h2>Backends</h2>{_backends(data)}"
         f"<h2>Routing decisions</h2>{_decisions(data.decisions)}"
+        f"{_admission(data.admission)}"
         f"<h2>Recent restarts and canary failures</h2>{_notes(data.notes)}"
         "</body></html>"
     )
@@ -215,6 +238,21 @@ def _decisions(decisions: dict[str, int]) -> str:
         for name, n in sorted(decisions.items(), key=lambda kv: order.index(kv[0]))
     )
     return f"<table id=decisions><tr><th>reason</th><th>decisions</th><th>share</th></tr>{rows}</table>"
+
+
+def _admission(a: AdmissionRows | None) -> str:
+    if a is None:
+        return ""
+    waiting = "".join(f"<tr><td>{escape(name)}</td><td>{n}</td></tr>" for name, n in a.waiting)
+    clients = "".join(
+        f"<tr><td>{escape(name) or '<span class=meta>(no key)</span>'}</td><td>{ok}</td><td>{bad}</td></tr>"
+        for name, ok, bad in a.clients
+    )
+    return (
+        f"<h2>Admission</h2><table id=admission><tr><th>class</th><th>waiting</th></tr>{waiting}</table>"
+        "<table id=admission-keys><tr><th>client key</th><th>admitted</th><th>refused</th></tr>"
+        f"{clients}</table>"
+    )
 
 
 def _notes(notes: tuple[LifecycleNote, ...]) -> str:

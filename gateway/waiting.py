@@ -146,6 +146,9 @@ class EarlyHeadSend:
         self._early = self._head_seen = False
 
     async def head(self) -> None:
+        """Answer the 200 SSE head now (once: a second call does nothing)."""
+        if self._early:
+            return
         headers = [(b"content-type", SSE), (b"cache-control", b"no-cache")]
         self._early = True
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})

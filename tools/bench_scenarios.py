@@ -11,6 +11,7 @@ medians over rounds; ratios compare variants of the same round set on the same m
 - ``hetero``: engines with prefill/decode speeds 1:1:2:4; no weights vs the true ones.
 - ``join``: the last engine is down at the start and comes back empty a third of the way in.
 - ``slow``: the first engine slows 4x a third of the way in.
+- ``noisy-neighbour``: admission on one engine, a flood and a person (tools/bench_neighbours.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tools import procs
+from tools import bench_neighbours, procs
 from tools.bench_report import TurnRecord
 from tools.bench_run import Plan, Tally, Target, play
 from tools.launch import Child, Engine, Launcher, SimProfile
@@ -380,14 +381,20 @@ def _medians(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def main(names: Sequence[str], rounds: int, time_scale: float, profile: SimProfile, out: str | None) -> int:
     results = []
+    known = [*SCENARIOS, *bench_neighbours.SCENARIOS]
     for name in names:
-        if name not in SCENARIOS:
-            raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+        if name not in known:
+            raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(known)}")
         print(f"== scenario {name} ({rounds} rounds, time scale {time_scale}) ==", flush=True)
-        result = asyncio.run(run_scenario(name, rounds, time_scale, profile))
+        if name in bench_neighbours.SCENARIOS:  # admission: its own clients, not conversations
+            result = asyncio.run(bench_neighbours.run_scenario(name, rounds, time_scale, profile))
+            brief = bench_neighbours.brief
+        else:
+            result = asyncio.run(run_scenario(name, rounds, time_scale, profile))
+            brief = _brief
         results.append(result)
         for variant, med in result["medians"].items():
-            print(f"  median {variant}: {_brief(med)}", flush=True)
+            print(f"  median {variant}: {brief(med)}", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

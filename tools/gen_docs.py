@@ -98,6 +98,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(_plain(k)): _plain(v) for k, v in value.items()}
+    if isinstance(value, BaseModel):  # a section inside a default (admission.classes)
+        return _plain(value.model_dump())
     return value
 
 

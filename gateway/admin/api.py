@@ -30,6 +30,7 @@ from gateway.admin.body import (
     validate,
 )
 from gateway.admin.models import (
+    AdmissionView,
     BackendList,
     BackendPatch,
     BackendView,
@@ -185,6 +186,14 @@ class AdminApi:
             id=backend.id, passed=result.passed, result=result.as_dict(), state=backend.state.value, note=note
         )
         return json_response(run)
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    async def admission(self, _request: Request) -> Response:
+        control = self.gw.admission
+        if control is None:
+            return json_response(AdmissionView(enabled=False))
+        return json_response(AdmissionView(enabled=True, **control.status()))
 
     # -- changes ------------------------------------------------------------------------------------
 
@@ -376,6 +385,9 @@ def operations(api: AdminApi, routing: RoutingApi) -> list[Operation]:
             errors=(404, 409),
         ),
         *routing_operations(routing),
+        Operation(
+            "GET", "/admission", api.admission, "Admission queues per class, backends, keys", AdmissionView
+        ),
         Operation(
             "GET",
             "/changes",

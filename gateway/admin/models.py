@@ -195,3 +195,18 @@ class AffinityStats(BaseModel):
     per_backend: dict[str, int]
     decisions: dict[str, int]
     hit_rate: float | None = Field(description="affinity_hit / every decision for a conversation")
+
+
+class AdmissionView(BaseModel):
+    enabled: bool
+    classes: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per class, highest first: rank, waiting, max_queued, timeout_s, headroom",
+    )
+    backends: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="Per backend that admission has seen: running (admitted), capacity"
+    )
+    clients: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description='Per client key name ("" without a key): requests admitted, queue_full, timeout, left',
+    )

@@ -16,6 +16,7 @@ from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.registry import Registry
 from config.settings import AdminConfig, CanaryConfig
+from gateway.admission import AdmissionControl
 from gateway.endpoints import Endpoint
 from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics
@@ -38,3 +39,4 @@ class AdminPorts:
     policy: str  # the configured routing policy's name, for the explain reply
     endpoints: Mapping[str, Endpoint]  # path -> the endpoint serving it (the explain dry run)
     feedback: RoutingFeedback | None = None  # the ttft policy's inputs, when it is configured
+    admission: AdmissionControl | None = None  # admission per backend, when it is enabled

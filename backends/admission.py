@@ -1,0 +1,219 @@
+"""Admission per backend as one pure scheduler: which waiting request a backend takes next.
+
+No I/O, no clock, no asyncio (like ``backends.ondemand``): the gateway's edge (gateway/admission.py) says a
+request arrived for a backend, left the queue, or finished, at a time it passes in; every call answers who is
+admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one):
+
+- Capacity: a backend runs at most ``capacity`` admitted requests (its own ``capacities`` entry, else the
+  default); the rest wait here, not in the engine's first-come-first-served queue.
+- When a backend has room, the next request is taken from the highest class (lowest ``rank``) that has a
+  waiter for that backend: strict priority (a batch class runs on what interactive work leaves).
+- Headroom: a class with ``headroom`` h is admitted only while its backend runs fewer than capacity - h, so
+  the last h slots stay free for higher classes (an interactive turn then starts at once instead of after
+  one slot turnover; the price is h slots idle while only that class has work).
+- Fair share within a class, by virtual time over tokens: each client has a usage (tokens charged); the
+  waiting client with the least usage goes first, oldest request first within a client. A request is charged
+  its estimate when admitted and corrected to its actual usage when it finishes. A client that becomes active
+  (nothing waiting or running in that class) starts at the class's clock, the usage of the last admitted
+  request's client at admission, so time spent idle banks no credit and past heavy use is not held against it.
+- Bounds: at most ``max_queued`` waiters per class, over all backends (beyond: refused at once); a waiter is
+  refused once it has waited its class's ``timeout_s`` (``expire``).
+- Unknown tickets change nothing; nothing here raises on a client's behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Why(StrEnum):
+    """Why a request was refused: a metric label and the error's code suffix."""
+
+    QUEUE_FULL = "queue_full"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSpec:
+    """One priority class: ``rank`` 0 goes first."""
+
+    name: str
+    rank: int
+    max_queued: int
+    timeout_s: float
+    retry_after_s: float
+    headroom: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One request asking a backend for a slot; ``cost`` is its estimated tokens."""
+
+    id: int
+    backend: str
+    client: str
+    klass: str
+    cost: int
+    arrived: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    ticket: Ticket
+    why: Why
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    admitted: tuple[Ticket, ...] = ()
+    refused: tuple[Refusal, ...] = ()
+
+
+NOTHING = Outcome()
+
+
+@dataclass(slots=True)
+class _Class:
+    spec: ClassSpec
+    clock: float = 0.0
+    usage: dict[str, float] = field(default_factory=dict)
+    active: dict[str, int] = field(default_factory=dict)  # client -> its waiters + running requests
+    waiting: dict[str, list[Ticket]] = field(default_factory=dict)  # client -> its waiters, oldest first
+    depth: int = 0
+
+
+class AdmissionScheduler:
+    def __init__(
+        self, classes: Sequence[ClassSpec], default_capacity: int, capacities: Mapping[str, int] | None = None
+    ) -> None:
+        if not classes:
+            raise ValueError("admission needs at least one class")
+        self._classes = {c.name: _Class(c) for c in sorted(classes, key=lambda c: c.rank)}
+        self.default_capacity = default_capacity
+        self.capacities: dict[str, int] = dict(capacities or {})
+        self._running: dict[str, int] = {}  # backend -> admitted, not finished
+        self._tickets: dict[int, Ticket] = {}  # waiting ones
+
+    # -- what the edge reads ------------------------------------------------------------------------
+
+    def capacity(self, backend: str) -> int:
+        return self.capacities.get(backend, self.default_capacity)
+
+    def running(self, backend: str) -> int:
+        return self._running.get(backend, 0)
+
+    def depth(self, klass: str) -> int:
+        return self._classes[klass].depth
+
+    def usage(self, klass: str, client: str) -> float:
+        return self._classes[klass].usage.get(client, 0.0)
+
+    def classes(self) -> list[str]:
+        return list(self._classes)
+
+    def next_deadline(self) -> float | None:
+        times = [t.arrived + self._classes[t.klass].spec.timeout_s for t in self._tickets.values()]
+        return min(times, default=None)
+
+    # -- events -------------------------------------------------------------------------------------
+
+    def arrive(self, ticket: Ticket, now: float) -> Outcome:
+        """A request for ``ticket.backend``: admitted now, queued, or refused (its class is full)."""
+        c = self._classes[ticket.klass]
+        room = self.capacity(ticket.backend) - self.running(ticket.backend)
+        if c.depth >= c.spec.max_queued and room <= c.spec.headroom:
+            return Outcome(refused=(Refusal(ticket, Why.QUEUE_FULL, c.spec.retry_after_s),))
+        if not c.active.get(ticket.client):
+            c.usage[ticket.client] = max(c.usage.get(ticket.client, 0.0), c.clock)
+        c.active[ticket.client] = c.active.get(ticket.client, 0) + 1
+        c.waiting.setdefault(ticket.client, []).append(ticket)
+        c.depth += 1
+        self._tickets[ticket.id] = ticket
+        return self._fill(ticket.backend)
+
+    def leave(self, ticket_id: int) -> Outcome:
+        """A waiter gone (its client left, or its own deadline passed)."""
+        ticket = self._tickets.get(ticket_id)
+        if ticket is not None:
+            self._unqueue(ticket)
+            self._inactive(self._classes[ticket.klass], ticket.client)
+        return NOTHING
+
+    def finish(self, ticket: Ticket, used: int | None) -> Outcome:
+        """An admitted request finished (``used``: its actual tokens, None: unknown, the estimate stands)."""
+        running = self._running.get(ticket.backend, 0)
+        if running <= 0 or ticket.id in self._tickets:
+            return NOTHING
+        self._running[ticket.backend] = running - 1
+        c = self._classes[ticket.klass]
+        if used is not None:
+            c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) + used - ticket.cost
+        self._inactive(c, ticket.client)
+        return self._fill(ticket.backend)
+
+    def expire(self, now: float) -> Outcome:
+        """Refuse every waiter that has waited its class's timeout."""
+        refused = []
+        for ticket in list(self._tickets.values()):
+            spec = self._classes[ticket.klass].spec
+            if now - ticket.arrived >= spec.timeout_s:
+                self.leave(ticket.id)
+                refused.append(Refusal(ticket, Why.TIMEOUT, spec.retry_after_s))
+        return Outcome(refused=tuple(refused))
+
+    def set_capacity(self, backend: str, capacity: int) -> Outcome:
+        self.capacities[backend] = capacity
+        return self._fill(backend)
+
+    # -- inside -------------------------------------------------------------------------------------
+
+    def _fill(self, backend: str) -> Outcome:
+        admitted: list[Ticket] = []
+        while self.running(backend) < self.capacity(backend):
+            ticket = self._next(backend)
+            if ticket is None:
+                break
+            self._unqueue(ticket)
+            c = self._classes[ticket.klass]
+            c.clock = max(c.clock, c.usage.get(ticket.client, 0.0))
+            c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) + ticket.cost
+            self._running[backend] = self.running(backend) + 1
+            admitted.append(ticket)
+        return Outcome(admitted=tuple(admitted)) if admitted else NOTHING
+
+    def _next(self, backend: str) -> Ticket | None:
+        room = self.capacity(backend) - self.running(backend)
+        for c in self._classes.values():  # by rank
+            if room <= c.spec.headroom:
+                continue
+            best: Ticket | None = None
+            best_usage = 0.0
+            for client, queue in c.waiting.items():
+                ticket = next((t for t in queue if t.backend == backend), None)
+                if ticket is None:
+                    continue
+                usage = c.usage.get(client, 0.0)
+                if best is None or (usage, ticket.arrived, ticket.id) < (best_usage, best.arrived, best.id):
+                    best, best_usage = ticket, usage
+            if best is not None:
+                return best
+        return None
+
+    def _unqueue(self, ticket: Ticket) -> None:
+        del self._tickets[ticket.id]
+        c = self._classes[ticket.klass]
+        queue = c.waiting[ticket.client]
+        queue.remove(ticket)
+        if not queue:
+            del c.waiting[ticket.client]
+        c.depth -= 1
+
+    def _inactive(self, c: _Class, client: str) -> None:
+        n = c.active.get(client, 0) - 1
+        if n > 0:
+            c.active[client] = n
+        else:
+            c.active.pop(client, None)

@@ -1,0 +1,253 @@
+"""Admission per backend: the request path's edge of ``backends.admission``'s scheduler.
+
+A request is routed first, so conversation affinity holds: the proxy then ``seat``\\s it on the chosen backend
+(gateway/phases.py ``BackendAdmission``), which returns at once while the backend runs fewer than its
+``max_in_flight`` admitted requests, else waits here until the scheduler picks it (priority class, then fair
+share of tokens within the class). A request that waits never moves to another backend: the routing policy
+decided where it goes (a pinned conversation waits for its warm engine; a new one was routed by load, and
+the load a policy sees is the engine's own in-flight requests, which admission keeps at most the cap).
+
+- Its class: the client key's (``admission.clients``), or ``x-warmroute-class`` from keys trusted with it,
+  else ``default_class``. Its estimated tokens: prompt bytes / 4 plus ``max_tokens`` (or the default); the
+  actual usage is charged when it finishes.
+- A full class queue or a wait past the class's ``timeout_s``: ``AdmissionRefused`` (503, Retry-After).
+- A stream that has waited ``keepalive_s`` is answered its ``200 text/event-stream`` head and sent an SSE
+  comment every ``keepalive_s`` (through the waiting room's ``EarlyHeadSend``; a refusal after that is an
+  SSE ``error`` event).
+- Backends in ``engine_priority`` (vLLM under ``--scheduling-policy priority``) are sent the class's rank as
+  the request's ``priority`` (0 first, as vLLM orders it), unless the client set one; others get nothing new.
+- The client leaving (the proxy's task cancelled) leaves the queue at once; a seat already granted is given
+  back. The ``Seat`` is released in the proxy's finish, whatever happened; releasing admits the next waiter.
+
+Cost per request when on and nothing waits: a ticket, one future, two dict updates (no await suspends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import Send
+
+from backends.admission import AdmissionScheduler, ClassSpec, Outcome, Refusal, Ticket, Why
+from backends.registry import Backend
+from config.settings import AdmissionConfig
+from gateway.context import Draft, RequestContext
+from gateway.errors import ServerBusy
+from gateway.metrics import AdmissionMetrics
+from gateway.waiting import EarlyHeadSend
+
+log = logging.getLogger("warmroute.admission")
+
+CLASS_HEADER = b"x-warmroute-class"
+ADMITTED = "admitted"
+LEFT = "left"
+
+
+class AdmissionRefused(ServerBusy):
+    """503: the backend's queue for this class is full, or the request waited its class's timeout."""
+
+    def __init__(self, message: str, why: Why, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.code = f"admission_{why.value}"
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(max(1, math.ceil(self.retry_after_s))).encode())]
+
+
+class Seat:
+    """One admitted request's slot on its backend; ``release`` (once, idempotent) charges its usage."""
+
+    __slots__ = ("_ctx", "_owner", "_ticket")
+
+    def __init__(self, owner: AdmissionControl, ticket: Ticket, ctx: RequestContext | None) -> None:
+        self._owner: AdmissionControl | None = owner
+        self._ticket, self._ctx = ticket, ctx
+
+    def release(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
+        try:
+            used = _used(self._ctx)
+        except Exception:  # a defect reading the usage must not keep the slot: the estimate stands
+            log.exception("admission: reading a finished request's usage failed")
+            used = None
+        owner.finished(self._ticket, used)
+
+
+class AdmissionControl:
+    def __init__(self, cfg: AdmissionConfig, metrics: AdmissionMetrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.specs = {
+            name: ClassSpec(name, rank, c.max_queued, c.timeout_s, c.retry_after_s, c.headroom)
+            for rank, (name, c) in enumerate(cfg.classes.items())
+        }
+        self.scheduler = AdmissionScheduler(tuple(self.specs.values()), cfg.max_in_flight, cfg.backends)
+        self._waiters: dict[int, asyncio.Future[Refusal | None]] = {}
+        self._ids = itertools.count(1)
+        self._trusted = frozenset(cfg.class_header_clients)
+        self._by_priority = frozenset(cfg.engine_priority)
+        self._changed = asyncio.Event()  # set, and replaced, whenever a request queued, left or was decided
+        self._watchers = 0  # ``until`` callers: the fast path announces only when someone listens
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds, checked whenever admission's state changes (tests, status)."""
+        self._watchers += 1
+        try:
+            while not predicate():
+                await self._changed.wait()
+        finally:
+            self._watchers -= 1
+
+    # -- the Admission phase: only the stream's send, so that a long wait can answer its head early --
+
+    def wrap(self, ctx: RequestContext, send: Send) -> Send:
+        if ctx.body is None or ctx.body.get("stream") is not True or isinstance(send, EarlyHeadSend):
+            return send
+        return EarlyHeadSend(send)
+
+    async def enter(self, ctx: RequestContext, send: Send) -> None:
+        return None
+
+    # -- BackendAdmission ---------------------------------------------------------------------------
+
+    async def seat(self, ctx: RequestContext, backend: str, send: Send) -> Seat:
+        klass = self.class_of(ctx)
+        now = time.monotonic()
+        ticket = Ticket(next(self._ids), backend, ctx.client or "", klass, self.estimate(ctx), now)
+        outcome = self.scheduler.arrive(ticket, now)
+        if ticket in outcome.admitted:  # room, nobody waiting for it: no future
+            self._record(ticket, ADMITTED)
+            if self._watchers:
+                self._announce()
+            return Seat(self, ticket, ctx)
+        waiter: asyncio.Future[Refusal | None] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.id] = waiter
+        self._apply(outcome)
+        try:
+            if not waiter.done():
+                await self._wait(ticket, waiter, send)
+        except BaseException:  # cancelled (the client left), or its keep-alive could not be sent
+            self._gone(ticket, waiter)
+            raise
+        refusal = waiter.result()
+        if refusal is not None:
+            self._record(ticket, refusal.why.value)
+            what = "is full" if refusal.why is Why.QUEUE_FULL else "took too long"
+            raise AdmissionRefused(
+                f"backend {backend} is saturated and its {klass} queue {what}",
+                refusal.why,
+                refusal.retry_after_s,
+            )
+        self._record(ticket, ADMITTED)
+        return Seat(self, ticket, ctx)
+
+    def finished(self, ticket: Ticket, used: int | None) -> None:
+        self._apply(self.scheduler.finish(ticket, used))
+        self.metrics.running[ticket.backend] = self.scheduler.running(ticket.backend)
+
+    # -- PrepareStep: the class, told to engines that schedule by priority ----------------------------
+
+    async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        if backend.id in self._by_priority and "priority" not in (draft.read() or {}):
+            draft.edit()["priority"] = self.specs[self.class_of(ctx)].rank
+
+    def status(self) -> dict[str, Any]:
+        """What the admin API shows: each class's queue, each backend's admitted requests, per-key counts."""
+        classes = {
+            name: {
+                "rank": spec.rank,
+                "waiting": self.scheduler.depth(name),
+                "max_queued": spec.max_queued,
+                "timeout_s": spec.timeout_s,
+                "headroom": spec.headroom,
+            }
+            for name, spec in self.specs.items()
+        }
+        backends = {
+            backend: {"running": running, "capacity": self.scheduler.capacity(backend)}
+            for backend, running in sorted(self.metrics.running.items())
+        }
+        clients: dict[str, dict[str, int]] = {}
+        for (client, outcome), n in sorted(self.metrics.clients.items()):
+            clients.setdefault(client, {})[outcome] = n
+        return {"classes": classes, "backends": backends, "clients": clients}
+
+    def class_of(self, ctx: RequestContext) -> str:
+        if ctx.client is not None and ctx.client in self._trusted:
+            asked = next((v for k, v in ctx.headers if k == CLASS_HEADER), None)
+            if asked is not None and asked.decode(errors="replace") in self.specs:
+                return asked.decode()
+        if ctx.client is None:
+            return self.cfg.default_class
+        return self.cfg.clients.get(ctx.client, self.cfg.default_class)
+
+    def estimate(self, ctx: RequestContext) -> int:
+        body: dict[str, Any] = ctx.body or {}
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        completion = limit if isinstance(limit, int) and limit > 0 else self.cfg.default_max_tokens
+        return len(ctx.raw) // 4 + completion
+
+    # -- inside -------------------------------------------------------------------------------------
+
+    async def _wait(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None], send: Send) -> None:
+        deadline = ticket.arrived + self.specs[ticket.klass].timeout_s
+        stream = send if isinstance(send, EarlyHeadSend) else None
+        while not waiter.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._apply(self.scheduler.expire(max(time.monotonic(), deadline)))
+                break
+            await asyncio.wait({waiter}, timeout=min(left, self.cfg.keepalive_s))
+            if stream is not None and not waiter.done() and deadline > time.monotonic():
+                await stream.head()
+                waited = time.monotonic() - ticket.arrived
+                await stream.comment(f"waiting for {ticket.backend} ({waited:.0f} s)")
+
+    def _gone(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None]) -> None:
+        """The client left while waiting: out of the queue, or the seat just granted given back."""
+        self._waiters.pop(ticket.id, None)
+        if waiter.done() and waiter.result() is None:
+            self._apply(self.scheduler.finish(ticket, 0))
+        else:
+            self._apply(self.scheduler.leave(ticket.id))
+        self._record(ticket, LEFT)
+
+    def _apply(self, outcome: Outcome) -> None:
+        for ticket in outcome.admitted:
+            waiter = self._waiters.pop(ticket.id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        for refusal in outcome.refused:
+            waiter = self._waiters.pop(refusal.ticket.id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(refusal)
+        for name in self.specs:
+            self.metrics.depth(name, self.scheduler.depth(name))
+        self._announce()
+
+    def _announce(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _record(self, ticket: Ticket, outcome: str) -> None:
+        self.metrics.waited(ticket.klass, ticket.client, time.monotonic() - ticket.arrived, outcome)
+        self.metrics.running[ticket.backend] = self.scheduler.running(ticket.backend)
+
+
+def _used(ctx: RequestContext | None) -> int | None:
+    """The request's actual tokens, when its answer said (None: the estimate stands)."""
+    if ctx is None:
+        return None
+    usage = None if ctx.attempt is None else ctx.attempt.usage
+    if usage is None and ctx.tap is not None:
+        usage = ctx.tap.usage()
+    return None if usage is None else usage.prompt_tokens + usage.completion_tokens

@@ -1,0 +1,287 @@
+"""Admission per backend through the proxy, on the in-memory transport: the ORDER the engine received the
+requests in, exact counters, every slot given back. Engine replies are held open by ``asyncio.Event``s, and
+the tests wait on admission's own announcements (``AdmissionControl.until``), never on time passing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from backends.registry import Registry
+from config.settings import load_settings
+from gateway.admission import AdmissionControl
+from gateway.context import RequestContext
+from gateway.metrics import AdmissionMetrics, Metrics
+from gateway.proxy import AdmitAll, Proxy
+from gateway.state import MemoryAffinityStore
+from routing.policies.round_robin import RoundRobinPolicy
+from routing.types import BackendState
+
+from transports import FakeTransport, Reply
+
+pytestmark = pytest.mark.anyio
+JSON = [(b"content-type", b"application/json")]
+SSE = [(b"content-type", b"text/event-stream")]
+CLASSES = {
+    "interactive": {"max_queued": 8, "timeout_s": 30},
+    "batch": {"max_queued": 8, "timeout_s": 30, "retry_after_s": 7},
+}
+
+
+class Rig:
+    """One backend ``a`` behind a proxy with admission (capacity 1 unless told)."""
+
+    def __init__(self, **admission: Any) -> None:
+        cfg = {"enabled": True, "max_in_flight": 1, "classes": CLASSES, "default_class": "batch", **admission}
+        settings = load_settings(
+            None, backends=[{"id": "a", "url": "http://a", "models": ["m"]}], admission=cfg
+        )
+        store = MemoryAffinityStore(settings.routing)
+        self.registry = registry = Registry(settings.backends, listener=store)
+        registry.backends["a"].state = BackendState.READY
+        self.metrics = Metrics(registry)
+        self.admission = AdmissionControl(
+            settings.admission, AdmissionMetrics(self.metrics.registry, list(settings.admission.classes))
+        )
+        self.fake = FakeTransport()
+        modules = (self.metrics, self.admission)
+        self.proxy = Proxy(settings.timeouts, registry, store, AdmitAll(), self.metrics, self.fake, modules)
+
+    def hold(self, n: int = 1) -> list[asyncio.Event]:
+        """Script ``n`` replies that stay open until their event is set."""
+        gates = [asyncio.Event() for _ in range(n)]
+        for gate in gates:
+            self.fake.script("http://a", Reply(200, JSON, [gate, b'{"ok": true}']))
+        return gates
+
+    def received(self) -> list[str]:
+        """Who sent each request the engine received, in order."""
+        return [json.loads(r.body)["messages"][0]["content"] for r in self.fake.requests]
+
+    async def queued(self, n: int, klass: str = "batch") -> None:
+        await self.admission.until(lambda: self.admission.scheduler.depth(klass) == n)
+
+    async def idle(self) -> None:
+        await self.admission.until(lambda: self.admission.scheduler.running("a") == 0)
+        assert self.registry.total_in_flight() == 0 and self.fake.unclosed() == []
+        assert all(self.admission.scheduler.depth(c) == 0 for c in self.admission.scheduler.classes())
+
+    def counter(self, client: str, outcome: str) -> float:
+        text = generate_latest(self.metrics.registry).decode()
+        line = f'warmroute_admission_requests_total{{client="{client}",outcome="{outcome}"}} '
+        found = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+        return found[0] if found else 0.0
+
+
+def context(client: str | None, label: str, *, stream: bool = False, headers: Any = ()) -> RequestContext:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": label}],
+        "max_tokens": 16,
+        "stream": stream,
+    }
+    raw = json.dumps(body).encode()
+    ctx = RequestContext(
+        "POST", "/v1/chat/completions", raw, body, "m", label, RoundRobinPolicy(), list(headers)
+    )
+    ctx.client = client
+    return ctx
+
+
+class Client:
+    """One request forwarded as a task: what it was sent, and a disconnect the test can trigger."""
+
+    def __init__(self, rig: Rig, ctx: RequestContext) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.leave = asyncio.Event()
+        self.comment = asyncio.Event()
+        self.task = asyncio.create_task(rig.proxy.forward(self._receive, self._send, ctx))
+
+    async def _receive(self) -> dict[str, Any]:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message.get("body", b"").startswith(b": waiting"):
+            self.comment.set()
+
+    async def answer(self) -> tuple[int, dict[bytes, bytes], bytes]:
+        await self.task
+        head = self.sent[0]
+        return head["status"], dict(head["headers"]), b"".join(m.get("body", b"") for m in self.sent[1:])
+
+
+async def test_an_interactive_turn_goes_before_a_queued_batch_flood() -> None:
+    rig = Rig(clients={"alice": "interactive", "docs": "batch"})
+    gates = rig.hold(7)
+    flood = [Client(rig, context("docs", f"docs-{i}")) for i in range(6)]
+    await rig.queued(5)
+    turn = Client(rig, context("alice", "alice"))
+    await rig.queued(1, "interactive")
+    for gate in gates:
+        gate.set()
+    for c in (*flood, turn):
+        assert (await c.answer())[0] == 200
+    assert rig.received() == ["docs-0", "alice", "docs-1", "docs-2", "docs-3", "docs-4", "docs-5"]
+    await rig.idle()
+    assert (rig.counter("docs", "admitted"), rig.counter("alice", "admitted")) == (6, 1)
+
+
+async def test_in_one_class_a_flood_does_not_delay_another_client_beyond_one_turnover() -> None:
+    rig = Rig(default_class="batch")
+    gates = rig.hold(9)
+    flood = [Client(rig, context("docs", f"docs-{i}")) for i in range(6)]
+    await rig.queued(5)
+    turns = [Client(rig, context("bob", f"bob-{i}")) for i in range(2)]
+    await rig.queued(7)
+    for gate in gates:
+        gate.set()
+    await asyncio.gather(*(c.answer() for c in (*flood, *turns)))
+    # bob's first goes at the first slot turnover; then the two alternate by tokens used
+    assert rig.received()[:5] == ["docs-0", "bob-0", "docs-1", "bob-1", "docs-2"]
+    await rig.idle()
+
+
+async def test_a_wait_past_the_class_timeout_is_a_503_with_retry_after() -> None:
+    rig = Rig(classes={"batch": {"timeout_s": 0.05, "retry_after_s": 7}}, default_class="batch")
+    (gate,) = rig.hold(1)
+    running = Client(rig, context("docs", "docs-0"))
+    await rig.admission.until(lambda: rig.admission.scheduler.running("a") == 1)
+    status, headers, body = await Client(rig, context("docs", "docs-1")).answer()
+    assert (status, headers[b"retry-after"]) == (503, b"7")
+    assert json.loads(body)["error"]["code"] == "admission_timeout"
+    gate.set()
+    assert (await running.answer())[0] == 200
+    assert rig.received() == ["docs-0"]
+    await rig.idle()
+    assert (rig.counter("docs", "admitted"), rig.counter("docs", "timeout")) == (1, 1)
+
+
+async def test_a_full_class_queue_refuses_at_once() -> None:
+    rig = Rig(classes={"batch": {"max_queued": 1, "retry_after_s": 3}}, default_class="batch")
+    first, second = rig.hold(2)
+    running, waiting = Client(rig, context("x", "x-0")), Client(rig, context("x", "x-1"))
+    await rig.queued(1)
+    status, headers, body = await Client(rig, context("x", "x-2")).answer()
+    assert (status, headers[b"retry-after"], json.loads(body)["error"]["code"]) == (
+        503,
+        b"3",
+        "admission_queue_full",
+    )
+    first.set()
+    second.set()
+    assert [(await c.answer())[0] for c in (running, waiting)] == [200, 200]
+    await rig.idle()
+
+
+async def test_a_client_that_leaves_the_queue_is_never_sent() -> None:
+    rig = Rig()
+    (gate, second) = rig.hold(2)
+    running = Client(rig, context("a", "a-0"))
+    gone = Client(rig, context("b", "b-0"))
+    stays = Client(rig, context("c", "c-0"))
+    await rig.queued(2)
+    gone.leave.set()
+    await gone.task
+    assert rig.admission.scheduler.depth("batch") == 1  # at once: nothing else had to happen
+    gate.set()
+    second.set()
+    assert [(await c.answer())[0] for c in (running, stays)] == [200, 200]
+    assert rig.received() == ["a-0", "c-0"]
+    await rig.idle()
+    assert rig.counter("b", "left") == 1
+
+
+async def test_a_waiting_stream_gets_keepalive_comments_then_the_engine_stream() -> None:
+    rig = Rig(keepalive_s=0.01)
+    (gate,) = rig.hold(1)
+    rig.fake.script("http://a", Reply(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"]))
+    running = Client(rig, context("a", "a-0"))
+    stream = Client(rig, context("b", "b-0", stream=True))
+    await stream.comment.wait()
+    gate.set()
+    await running.answer()
+    status, headers, body = await stream.answer()
+    assert (status, headers[b"content-type"]) == (200, b"text/event-stream")
+    assert [m["type"] for m in stream.sent].count("http.response.start") == 1
+    assert body.startswith(b": waiting for a (0 s)\n\n") and body.endswith(b"data: 1\n\ndata: [DONE]\n\n")
+    await rig.idle()
+
+
+async def test_a_trusted_key_picks_its_class_by_header_an_untrusted_one_cannot() -> None:
+    rig = Rig(class_header_clients=["ops"])
+    gates = rig.hold(4)
+    header = [(b"x-warmroute-class", b"interactive")]
+    first = Client(rig, context("a", "a-0"))
+    queued = [Client(rig, context("a", "a-1"))]
+    await rig.queued(1)
+    queued.append(Client(rig, context("mallory", "mallory", headers=header)))
+    await rig.queued(2)
+    queued.append(Client(rig, context("ops", "ops", headers=header)))
+    await rig.queued(1, "interactive")
+    for gate in gates:
+        gate.set()
+    await asyncio.gather(*(c.answer() for c in (first, *queued)))
+    assert rig.received() == ["a-0", "ops", "mallory", "a-1"]  # mallory: batch, fair share vs a
+    await rig.idle()
+
+
+async def test_a_failed_first_attempt_gives_its_slot_back_before_the_retry() -> None:
+    rig = Rig()
+    rig.fake.script("http://a", Reply.json({"error": "boom"}, status=500))
+    status, _, _ = await Client(rig, context("a", "a-0")).answer()
+    assert status == 500  # one backend: nobody else to ask
+    await rig.idle()
+
+
+async def test_an_engine_that_schedules_by_priority_is_told_the_class_rank() -> None:
+    rig = Rig(clients={"alice": "interactive"}, engine_priority=["a"])
+    rig.fake.script("http://a", Reply.json({"ok": True}), Reply.json({"ok": True}))
+    for client in ("alice", "docs"):
+        assert (await Client(rig, context(client, client)).answer())[0] == 200
+    sent = [json.loads(r.body) for r in rig.fake.requests]
+    assert [(b["messages"][0]["content"], b["priority"]) for b in sent] == [("alice", 0), ("docs", 1)]
+    assert rig.fake.requests[0].body == (
+        b'{"model":"m","messages":[{"role":"user","content":"alice"}],"max_tokens":16,"stream":false,'
+        b'"priority":0}'
+    )
+    await rig.idle()
+
+
+async def test_other_engines_get_the_clients_bytes_unchanged() -> None:
+    rig = Rig(clients={"alice": "interactive"})
+    rig.fake.script("http://a", Reply.json({"ok": True}))
+    ctx = context("alice", "alice")
+    assert (await Client(rig, ctx).answer())[0] == 200
+    assert rig.fake.requests[0].body == ctx.raw
+    await rig.idle()
+
+
+async def test_a_keepalive_that_cannot_be_sent_leaves_the_queue() -> None:
+    rig = Rig(keepalive_s=0.01)
+    (gate,) = rig.hold(1)
+    running = Client(rig, context("a", "a-0"))
+    await rig.admission.until(lambda: rig.admission.scheduler.running("a") == 1)
+
+    async def broken(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")  # the head went, the first comment cannot
+
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    with pytest.raises(OSError):
+        await rig.proxy.forward(receive, broken, context("b", "b-0", stream=True))
+    assert rig.admission.scheduler.depth("batch") == 0
+    gate.set()
+    assert (await running.answer())[0] == 200
+    assert rig.received() == ["a-0"]
+    await rig.idle()

@@ -1,0 +1,175 @@
+"""``warmroute bench --scenario noisy-neighbour``: one shared engine, a flood and a person, admission on/off.
+
+One simulated engine runs ``MAX_RUNNING`` requests at a time and queues the rest first-come-first-served
+(like vLLM's default scheduler). Client A (key ``flood``) keeps ``FLOOD`` long streams in flight; client B
+(key ``person``) asks short questions one at a time. Each variant starts its own gateway:
+
+- ``alone`` / ``alone+admission``: B without A, admission off / on (B's baseline);
+- ``flood`` / ``flood+admission``: A and B; with admission A's key is ``batch`` and B's ``interactive``;
+- ``flood+admission@headroom``: the same, the batch class leaving the engine's last slot free;
+- ``flood+admission@one-class``: A and B in the same class (fair share alone decides).
+
+Reported per variant: B's TTFT p50 and p95, B's turns, and the engine's completion tokens per second over
+the run (A's and B's), so admission's cost in throughput shows next to its gain in latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tools import procs
+from tools.client import StreamResult, stream_chat
+from tools.launch import Child, Engine, Launcher, SimProfile
+from tools.procs import LOCALHOST, free_port
+
+MODEL = "sim-model"
+MAX_RUNNING = 8
+FLOOD = 16  # A's streams in flight
+FLOOD_TOKENS = 64  # each of A's answers (ignore_eos: exactly this many)
+TURN_TOKENS = 8
+TURNS = 15  # B's questions per variant
+KEYS = {"flood": "key-flood", "person": "key-person"}
+VARIANTS = (
+    "alone",
+    "alone+admission",
+    "flood",
+    "flood+admission",
+    "flood+admission@headroom",
+    "flood+admission@one-class",
+)
+SCENARIOS = {
+    "noisy-neighbour": "B's TTFT p95 with A <= 1.5x B alone (A batch, B interactive); "
+    "one class: B's p95 <= one slot turnover; tokens/s within 5 % of no admission",
+}
+
+
+@dataclass(slots=True)
+class Run:
+    turns: list[StreamResult]
+    flood_tokens: int
+    wall_s: float
+
+
+def body(max_tokens: int, text: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def start_engine(launch: Launcher, profile: SimProfile) -> Engine:
+    port = free_port()
+    argv = procs.python("-m", "backends.sim", "--port", str(port), "--name", "engine-1", "--model", MODEL)
+    argv += [*profile.argv(), "--max-running", str(MAX_RUNNING), "--log-level", "warning"]
+    child = launch._spawn("engine-1", port, argv)
+    launch._wait(child, "/health", procs.ok)
+    return Engine(child.name, child.url)
+
+
+def start_gateway(launch: Launcher, engine: Engine, variant: str, name: str) -> Child:
+    port = free_port()
+    keys = [{"name": n, "key": k} for n, k in KEYS.items()]
+    admission: dict[str, Any] = {"enabled": "+admission" in variant, "max_in_flight": MAX_RUNNING}
+    if not variant.endswith("@one-class"):
+        admission["clients"] = {"flood": "batch", "person": "interactive"}
+    if variant.endswith("@headroom"):  # the engine's last slot is kept for interactive turns
+        batch = {"max_queued": 1024, "timeout_s": 600, "headroom": 1}
+        admission["classes"] = {"interactive": {}, "standard": {}, "batch": batch}
+    config = {
+        "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
+        "backends": [{"id": engine.id, "url": engine.url, "models": [MODEL]}],
+        "routing": {"policy": "least_loaded"},
+        "health": {"interval_s": 1, "timeout_s": 2, "fail_threshold": 2},
+        "redis": {"url": None},
+        "auth": {"client_keys": keys},
+        "admission": admission,
+    }
+    path = launch.workdir / f"{name}.yaml"
+    path.write_text(json.dumps(config))
+    child = launch._spawn(name, port, procs.python("-m", "gateway.cli", "serve", "--config", str(path)))
+    launch._wait(child, "/readyz", lambda r: r.status_code == 200)
+    return child
+
+
+async def _flood(client: httpx.AsyncClient, url: str, stop: asyncio.Event, tokens: list[int]) -> None:
+    headers = {"authorization": f"Bearer {KEYS['flood']}"}
+    n = 0
+    while not stop.is_set():
+        n += 1
+        result = await stream_chat(client, url, body(FLOOD_TOKENS, f"summarise document {n}"), headers)
+        tokens.append(result.completion_tokens)
+
+
+async def run_variant(client: httpx.AsyncClient, url: str, variant: str) -> Run:
+    stop = asyncio.Event()
+    tokens: list[int] = []
+    flooding = variant.startswith("flood")
+    floods = [asyncio.create_task(_flood(client, url, stop, tokens)) for _ in range(FLOOD if flooding else 0)]
+    headers = {"authorization": f"Bearer {KEYS['person']}"}
+    t0 = time.monotonic()
+    if flooding:
+        await asyncio.sleep(2.0)  # the flood fills the engine and its queue first
+    turns = []
+    for i in range(TURNS):
+        turns.append(await stream_chat(client, url, body(TURN_TOKENS, f"question {i}"), headers))
+    stop.set()
+    await asyncio.gather(*floods)
+    wall = time.monotonic() - t0
+    return Run(turns, sum(tokens), wall)
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    ttft = sorted(r.ttft_s for r in run.turns if r.error is None and r.ttft_s is not None)
+    tokens = run.flood_tokens + sum(r.completion_tokens for r in run.turns)
+    return {
+        "b_turns": len(ttft),
+        "b_errors": len(run.turns) - len(ttft),
+        "b_ttft_p50_ms": 1000 * statistics.median(ttft) if ttft else None,
+        "b_ttft_p95_ms": 1000 * ttft[max(0, round(0.95 * len(ttft)) - 1)] if ttft else None,
+        "tokens_per_s": tokens / run.wall_s,
+        "wall_s": run.wall_s,
+    }
+
+
+async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimProfile) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    with Launcher(f"warmroute-{name}-") as launch:
+        engine = start_engine(launch, profile)
+        limits = httpx.Limits(max_connections=FLOOD + 8)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
+            for round_ in range(1, rounds + 1):
+                for variant in VARIANTS:
+                    gateway = start_gateway(launch, engine, variant, f"gw-{round_}-{len(runs[variant])}")
+                    try:
+                        result = summarize(await run_variant(client, gateway.url, variant))
+                    finally:
+                        launch.stop(gateway)
+                    print(f"  {name} {variant} round {round_}: {brief(result)}", flush=True)
+                    runs[variant].append(result)
+    medians = {
+        v: {k: statistics.median(r[k] for r in rs) for k in rs[0] if rs[0][k] is not None}
+        for v, rs in runs.items()
+    }
+    return {
+        "scenario": name,
+        "target": SCENARIOS[name],
+        "rounds": rounds,
+        "time_scale": time_scale,
+        "runs": runs,
+        "medians": medians,
+    }
+
+
+def brief(result: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
