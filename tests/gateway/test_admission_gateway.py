@@ -17,6 +17,7 @@ from gateway.admission import AdmissionControl
 from gateway.context import RequestContext
 from gateway.metrics import AdmissionMetrics, Metrics
 from gateway.proxy import AdmitAll, Proxy
+from gateway.shapes.table import CHAT
 from gateway.state import MemoryAffinityStore
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.types import BackendState
@@ -86,7 +87,7 @@ def context(client: str | None, label: str, *, stream: bool = False, headers: An
     }
     raw = json.dumps(body).encode()
     ctx = RequestContext(
-        "POST", "/v1/chat/completions", raw, body, "m", label, RoundRobinPolicy(), list(headers)
+        "POST", "/v1/chat/completions", raw, body, "m", label, RoundRobinPolicy(), list(headers), CHAT
     )
     ctx.client = client
     return ctx
