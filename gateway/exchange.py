@@ -242,7 +242,6 @@ class Relay:
         # The engine's reads, each proof it is alive whatever a filter holds back (an event not ended yet).
         # The per-read bookkeeping is inline: a generator layer per read cost more than a filter.
         async for chunk in response.aiter_raw():
-            watch.last = clock()
             if ctx.first_byte_at is None:
                 ctx.first_byte_at = time.monotonic()
                 ctx.lease.first_byte()  # its prefill is no longer queued on the engine
@@ -258,9 +257,13 @@ class Relay:
                 if rewrites:
                     chunk = pieces[0].raw if len(pieces) == 1 else b"".join(p.raw for p in pieces)
             if chunk:
+                # No stamp of the read needed: nothing awaits between it and ``sending``, and the watch is
+                # stamped once the client took the chunk.
                 watch.sending = True
                 await send(body(chunk, more=True))
                 watch.chunk_sent()
+            else:
+                watch.last = clock()  # held back, but heard
         rest = b"" if splitter is None else splitter.close()
         if rest:
             pieces = _through(filters, [Unended(rest)])
