@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,7 +45,6 @@ from gateway.relay import (
     Expiry,
     SilenceWatch,
     body,
-    read_reply,
     reply_too_large,
     response_head,
     send_error,
@@ -192,7 +191,10 @@ class Relay:
         """The engine's body, then each follow-up a filter asks for; the last bytes to send."""
         assert ctx.lease is not None
         backend = ctx.lease.backend.id
-        held = not sse and any(f.holds for f in filters)
+        held = False
+        if not sse:
+            for f in filters:
+                held = held or f.holds
         if held:
             head = self._unsized(head, backend)
         else:
@@ -203,17 +205,22 @@ class Relay:
                 kept.append(await self._whole(ctx, response, watch, filters))
             else:
                 await self._body(ctx, response, sse, send, watch, filters)
-            payload = next((p for f in filters if (p := f.follow_up()) is not None), None)
-            if payload is None:
+            for f in filters:
+                if (payload := f.follow_up()) is not None:
+                    break
+            else:
                 break
             for f in filters:
                 f.continued()
             response = await self._follow(ctx, response, payload, watch)
-        tail = b"".join(p.raw for p in _ended(filters))
+        ended = _ended(filters)
+        tail = b"".join([p.raw for p in ended]) if ended else b""
         if not held:
             return tail
-        _, head = response_head(response, backend, ctx.reason)  # the last exchange's status
-        await _send_head(ctx, send, self._unsized(head, backend), watch)
+        if response is not upstream:  # the last exchange's status (the first one's head is unsized already)
+            _, head = response_head(response, backend, ctx.reason)
+            head = self._unsized(head, backend)
+        await _send_head(ctx, send, head, watch)
         watch.sending = True  # its size is no longer the engine's: sent unsized, the server frames it
         await send(body(b"".join(kept) + tail, more=True))
         return b""
@@ -228,20 +235,35 @@ class Relay:
         filters: tuple[BodyFilter, ...],
     ) -> None:
         """One exchange's body, relayed as it comes: a stream event by event, a plain body chunk by chunk."""
+        assert ctx.lease is not None
         splitter = EventSplitter(self.limits.max_event_bytes) if sse and filters else None
         rewrites = any(f.rewrites for f in filters)
-        async for chunk in self._engine(ctx, response, watch):
+        clock = asyncio.get_running_loop().time
+        # The engine's reads, each proof it is alive whatever a filter holds back (an event not ended yet).
+        # The per-read bookkeeping is inline: a generator layer per read cost more than a filter.
+        async for chunk in response.aiter_raw():
+            if ctx.first_byte_at is None:
+                ctx.first_byte_at = time.monotonic()
+                ctx.lease.first_byte()  # its prefill is no longer queued on the engine
             if splitter is None:
                 for f in filters:
                     chunk = f.body(chunk)
             else:
-                pieces = _through(filters, splitter.feed(chunk))
+                pieces = splitter.feed(chunk)
+                for f in filters:  # _through, inline
+                    if not pieces:
+                        break
+                    pieces = f.events(pieces)
                 if rewrites:
                     chunk = pieces[0].raw if len(pieces) == 1 else b"".join(p.raw for p in pieces)
             if chunk:
+                # No stamp of the read needed: nothing awaits between it and ``sending``, and the watch is
+                # stamped once the client took the chunk.
                 watch.sending = True
                 await send(body(chunk, more=True))
                 watch.chunk_sent()
+            else:
+                watch.last = clock()  # held back, but heard
         rest = b"" if splitter is None else splitter.close()
         if rest:
             pieces = _through(filters, [Unended(rest)])
@@ -257,23 +279,24 @@ class Relay:
         watch: SilenceWatch,
         filters: tuple[BodyFilter, ...],
     ) -> bytes:
+        """The whole body, through the filters; ``UpstreamReplyTooLarge`` as soon as it passes the limit
+        (never held). Each read is proof the engine is alive, as in ``_body``."""
         assert ctx.lease is not None
-        limit, backend = self.limits.max_reply_bytes, ctx.lease.backend.id
-        data = await read_reply(self._engine(ctx, response, watch), limit, backend)
+        limit, parts, size = self.limits.max_reply_bytes, [], 0
+        clock = asyncio.get_running_loop().time
+        async for chunk in response.aiter_raw():
+            watch.last = clock()
+            if ctx.first_byte_at is None:
+                ctx.first_byte_at = time.monotonic()
+                ctx.lease.first_byte()
+            size += len(chunk)
+            if size > limit:
+                raise reply_too_large(ctx.lease.backend.id, limit)
+            parts.append(chunk)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         for f in filters:
             data = f.body(data)
         return data
-
-    async def _engine(
-        self, ctx: RequestContext, response: TransportResponse, watch: SilenceWatch
-    ) -> AsyncIterator[bytes]:
-        """The engine's reads, each proof it is alive; the first one is the request's first byte."""
-        assert ctx.lease is not None
-        async for chunk in watch.heard(response.aiter_raw()):
-            if ctx.first_byte_at is None:
-                ctx.first_byte_at = time.monotonic()
-                ctx.lease.first_byte()  # its prefill is no longer queued on the engine
-            yield chunk
 
     async def _follow(
         self, ctx: RequestContext, done: TransportResponse, payload: dict[str, Any], watch: SilenceWatch

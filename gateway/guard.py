@@ -67,14 +67,20 @@ class StreamGuard:
     def inspect(self, pieces: list[Piece]) -> bool:
         """Inspect the whole events among ``pieces`` (larger ones than 64 KiB are not looked at); True when
         they made the stream trip."""
-        events = [p.raw for p in pieces if isinstance(p, Event) and len(p.raw) <= _MAX_EVENT]
-        if not events:
-            return False
-        data = events[0] if len(events) == 1 else b"".join(events)
+        if len(pieces) == 1:  # the common read: one event
+            data = pieces[0].raw
+            if not isinstance(pieces[0], Event) or len(data) > _MAX_EVENT:
+                return False
+        else:
+            events = [p.raw for p in pieces if isinstance(p, Event) and len(p.raw) <= _MAX_EVENT]
+            if not events:
+                return False
+            data = events[0] if len(events) == 1 else b"".join(events)
         end = len(data)
         if self.tripped is None and self._pieces(data, end):
             return True
-        if _FINISH_STRING[0] in data or _FINISH_STRING[1] in data:  # most events carry ``null`` there
+        # ``find``, not ``in`` (gateway/sse.py says why); most events carry ``null`` there
+        if data.find(_FINISH_STRING[0]) >= 0 or data.find(_FINISH_STRING[1]) >= 0:
             self._finish_reasons(data, end)
         return False
 

@@ -164,9 +164,10 @@ class ResponseTap:
         self._seen_enough()
 
     def _look_into(self, event: Event) -> None:
-        if _CONTENT in event.raw or _ARGUMENTS in event.raw:
+        raw = event.raw  # ``find``, not ``in`` (gateway/sse.py says why)
+        if raw.find(_CONTENT) >= 0 or raw.find(_ARGUMENTS) >= 0:
             for line in event.lines():
-                if _CONTENT in line or _ARGUMENTS in line:
+                if line.find(_CONTENT) >= 0 or line.find(_ARGUMENTS) >= 0:
                     self._take(line)
 
     def _seen_enough(self) -> None:

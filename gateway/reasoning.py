@@ -79,7 +79,12 @@ class _Events(BodyFilterBase):
         self.rewrite = rewrite
 
     def events(self, pieces: list[Piece]) -> list[Piece]:
-        return [self._event(p) if isinstance(p, Event) and b"reasoning" in p.raw else p for p in pieces]
+        # ``find``, not ``in`` (gateway/sse.py says why)
+        if len(pieces) == 1 and pieces[0].raw.find(b"reasoning") < 0:
+            return pieces  # the common read: one event, nothing to rewrite
+        return [
+            self._event(p) if isinstance(p, Event) and p.raw.find(b"reasoning") >= 0 else p for p in pieces
+        ]
 
     def _event(self, event: Event) -> Piece:
         lines = event.lines()
@@ -102,7 +107,7 @@ class _Whole(BodyFilterBase):
         self.rewrite = rewrite
 
     def body(self, data: bytes) -> bytes:
-        if b"reasoning" not in data:
+        if data.find(b"reasoning") < 0:  # not ``in`` (gateway/sse.py says why)
             return data  # nothing to rewrite: the engine's own bytes
         try:
             doc = json.loads(data)

@@ -7,7 +7,7 @@ The body itself is pumped by gateway/exchange.py's ``Relay``; what is here has n
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from enum import StrEnum
 
 from starlette.types import Message, Send
@@ -44,18 +44,6 @@ def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> 
     headers.append((b"x-warmroute-backend", backend.encode()))
     headers.append((b"x-warmroute-route", reason.value.encode()))
     return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
-
-
-async def read_reply(chunks: AsyncIterator[bytes], limit: int, backend: str) -> bytes:
-    """The whole body, or ``UpstreamReplyTooLarge`` as soon as it passes ``limit`` bytes (never held)."""
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise reply_too_large(backend, limit)
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def reply_too_large(backend: str, limit: int) -> UpstreamReplyTooLarge:
@@ -96,13 +84,6 @@ class SilenceWatch:
         assert ctx.task is not None
         deadline = asyncio.get_running_loop().time() + ctx.remaining(timeouts.request_s)
         return cls(ctx.task, timeouts.read_s, deadline)
-
-    async def heard(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """``chunks`` as they are read from the engine, each one proof it is alive, whatever a body filter
-        after this holds back (an SSE event not ended yet, a body read whole)."""
-        async for chunk in chunks:
-            self.last = self._loop.time()
-            yield chunk
 
     def chunk_sent(self) -> None:
         self.sending = False
