@@ -47,7 +47,7 @@ from config.settings import Dialect
 _GATEWAY_FIELDS = ("thinking_budget",)
 
 
-class ApiShape(StrEnum):
+class ShapeName(StrEnum):
     """The client API shapes; an engine serves some natively, the others are translated to chat."""
 
     CHAT = "chat"
@@ -158,7 +158,7 @@ class EngineDialect:
     continuation: Mapping[str, Any]  # top-level fields that make phase 2 continue the assistant turn
     metrics: SignalNames
     embeds: EmbedsFormat | None  # None: the engine takes no ``image_embeds`` parts (``vision: native``)
-    native_shapes: frozenset[ApiShape]
+    native_shapes: frozenset[ShapeName]
 
 
 _VLLM_SIGNALS = SignalNames(
@@ -187,7 +187,7 @@ _LLAMACPP_SIGNALS = SignalNames(
 
 _VLLM_CONTINUATION = MappingProxyType({"continue_final_message": True, "add_generation_prompt": False})
 _OPENAI_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high"})
-_CHAT_AND_COMPLETIONS = frozenset({ApiShape.CHAT, ApiShape.COMPLETIONS})
+_CHAT_AND_COMPLETIONS = frozenset({ShapeName.CHAT, ShapeName.COMPLETIONS})
 
 DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
     Dialect.VLLM: EngineDialect(
@@ -199,7 +199,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         continuation=_VLLM_CONTINUATION,
         metrics=_VLLM_SIGNALS,
         embeds=EmbedsFormat(),
-        native_shapes=_CHAT_AND_COMPLETIONS | {ApiShape.MESSAGES, ApiShape.RESPONSES},
+        native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.MESSAGES, ShapeName.RESPONSES},
     ),
     Dialect.SGLANG: EngineDialect(
         budget=BudgetSpelling(
@@ -209,7 +209,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         continuation=MappingProxyType({"continue_final_message": True}),
         metrics=_SGLANG_SIGNALS,
         embeds=None,
-        native_shapes=_CHAT_AND_COMPLETIONS | {ApiShape.MESSAGES},
+        native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.MESSAGES},
     ),
     Dialect.LLAMACPP: EngineDialect(
         budget=BudgetSpelling(
@@ -221,7 +221,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         continuation=MappingProxyType({}),
         metrics=_LLAMACPP_SIGNALS,
         embeds=None,
-        native_shapes=_CHAT_AND_COMPLETIONS | {ApiShape.MESSAGES},
+        native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.MESSAGES},
     ),
     Dialect.OPENAI: EngineDialect(
         budget=BudgetSpelling(efforts=_OPENAI_EFFORTS, budget_fields=()),
@@ -229,7 +229,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         continuation=_VLLM_CONTINUATION,
         metrics=SignalNames.merged(_VLLM_SIGNALS, _SGLANG_SIGNALS, _LLAMACPP_SIGNALS),
         embeds=EmbedsFormat(),
-        native_shapes=_CHAT_AND_COMPLETIONS | {ApiShape.RESPONSES},
+        native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.RESPONSES},
     ),
 })  # fmt: skip
 

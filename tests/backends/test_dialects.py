@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.dialects import DIALECTS, REASONING_FIELDS, ApiShape, EngineDialect, SignalNames
+from backends.dialects import DIALECTS, REASONING_FIELDS, EngineDialect, ShapeName, SignalNames
 from backends.engine_metrics import SignalScraper, parse_signals
 from backends.registry import Registry
 from backends.signals import EngineSignals
@@ -28,7 +28,7 @@ def test_every_dialect_has_a_complete_entry(dialect: Dialect) -> None:
     assert entry.reasoning_fields and set(entry.reasoning_fields) <= set(REASONING_FIELDS)
     assert all(isinstance(k, str) and isinstance(v, bool) for k, v in entry.continuation.items())
     assert entry.metrics.waiting and entry.metrics.running  # the queue signals routing needs
-    assert {ApiShape.CHAT, ApiShape.COMPLETIONS} <= entry.native_shapes <= set(ApiShape)
+    assert {ShapeName.CHAT, ShapeName.COMPLETIONS} <= entry.native_shapes <= set(ShapeName)
 
 
 def test_the_table_has_exactly_the_configured_dialects() -> None:
@@ -49,8 +49,8 @@ def test_the_facts_per_engine() -> None:
     assert [d.budget.native for d in (vllm, sglang, llamacpp, openai)] == [True, True, True, False]
     assert vllm.reasoning_fields == ("reasoning", "reasoning_content")
     assert sglang.reasoning_fields == llamacpp.reasoning_fields == ("reasoning_content",)
-    assert ApiShape.RESPONSES in vllm.native_shapes and ApiShape.RESPONSES not in llamacpp.native_shapes
-    assert ApiShape.MESSAGES not in openai.native_shapes
+    assert ShapeName.RESPONSES in vllm.native_shapes and ShapeName.RESPONSES not in llamacpp.native_shapes
+    assert ShapeName.MESSAGES not in openai.native_shapes
     assert REASONING_FIELDS == ("reasoning", "reasoning_content")
 
 
