@@ -48,9 +48,10 @@ class Timeline:
 
     def _wrap(self, bid: str, inner: Callable[[Lifecycle], None] | None) -> Callable[[Lifecycle], None]:
         def on_change(lc: Lifecycle) -> None:
+            at = time.monotonic()  # before the listeners it wraps, which may act on the change first
             if inner is not None:
                 inner(lc)
-            self.seen.append((bid, lc.state, time.monotonic()))
+            self.seen.append((bid, lc.state, at))
             self.changed.set()
 
         return on_change
