@@ -316,12 +316,21 @@ async def test_alternating_traffic_is_batched_and_does_not_thrash_below_the_resi
 async def test_a_hold_keeps_the_engine_and_the_other_model_gets_503_naming_it() -> None:
     backends, extra = pair(idle_ttl_s=0.2)
     async with gateway(backends, **extra) as (url, gw), httpx.AsyncClient(timeout=WITHIN) as c:
-        assert (await c.post(url + "/v1/chat/completions", json=chat("ma"))).status_code == 200
         admin = url + "/admin/backends"
-        bad = await c.post(admin + "/a/hold", json={"duration_s": -1})
-        assert (bad.status_code, bad.json()["error"]["param"]) == (422, "duration_s")
-        assert (await c.post(admin + "/zz/hold", json={"duration_s": 30})).status_code == 404
-        r = await c.post(admin + "/a/hold", json={"duration_s": 30, "reason": "benchmark run 7"})
+        # The hold is placed while a's first stream is in flight: an engine is never stopped with a request
+        # in flight, so its 0.2 s idle TTL cannot run out before the hold is there, however slow the machine.
+        async with c.stream("POST", url + "/v1/chat/completions", json=chat("ma", stream=True)) as stream:
+            assert stream.status_code == 200
+            chunks = stream.aiter_raw()
+            first = b""
+            while b"data: {" not in first:  # keep-alive comments while a starts, then its first token
+                first += await anext(chunks)
+            bad = await c.post(admin + "/a/hold", json={"duration_s": -1})
+            assert (bad.status_code, bad.json()["error"]["param"]) == (422, "duration_s")
+            assert (await c.post(admin + "/zz/hold", json={"duration_s": 30})).status_code == 404
+            r = await c.post(admin + "/a/hold", json={"duration_s": 30, "reason": "benchmark run 7"})
+            async for _ in chunks:
+                pass
         held = r.json()["on_demand"]
         assert (
             r.status_code == 200 and held["hold"]["reason"] == "benchmark run 7" and held["phase"] == "ready"
