@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,13 +74,9 @@ def test_replicas_share_the_blocks_and_keep_their_own_records() -> None:
     assert a.snapshot("c") == (("e1", 128),) and b.snapshot("c") == ()  # B: unknown, it infers instead
     cands = [cand("e1"), cand("e2")]
     r = req(pinned="e1", prompt_tokens=130, head_tokens=40, tail_tokens=10)
-    da = POLICY.select(cands, RouteRequest(**{**_fields(r), "kv_held": a.snapshot("c")}), 0.0)
-    db = POLICY.select(cands, RouteRequest(**{**_fields(r), "kv_held": b.snapshot("c")}), 0.0)
+    da = POLICY.select(cands, replace(r, kv_held=a.snapshot("c")), 0.0)
+    db = POLICY.select(cands, replace(r, kv_held=b.snapshot("c")), 0.0)
     assert da.backend == db.backend == "e1" and (da.uncached_tokens, db.uncached_tokens) == (2, 10)
-
-
-def _fields(r: RouteRequest) -> dict[str, object]:
-    return {f: getattr(r, f) for f in r.__slots__}  # type: ignore[attr-defined]
 
 
 IDS = ["a", "b", "c", "d"]
