@@ -98,20 +98,31 @@ class EngineIndex:
     def __contains__(self, block: BlockHash) -> bool:
         return block in self._blocks
 
-    def apply(self, seq: int, events: list[KvEvent]) -> bool:
-        """Apply one batch. Returns False for a batch already applied (a replay overlapping the stream).
+    def apply(self, seq: int, events: list[KvEvent]) -> None:
+        """Apply one batch read from the engine's stream.
 
-        A batch past the expected one means batches were lost: everything is forgotten first (``lose``).
+        A batch past the expected one means batches were lost, and one before it means the engine restarted
+        (its sequence starts again, its cache is empty): either way what was known is forgotten (``lose``).
         """
+        if self.expected_seq is not None and seq != self.expected_seq:
+            self.lose()
+        self._batch(seq, events)
+
+    def replayed(self, seq: int, events: list[KvEvent]) -> bool:
+        """Apply one batch from the replay socket. False for one already applied (a replay overlapping the
+        stream); one past the expected batch is a gap the replay could not fill."""
         if self.expected_seq is not None:
             if seq < self.expected_seq:
                 return False
             if seq > self.expected_seq:
                 self.lose()
+        self._batch(seq, events)
+        return True
+
+    def _batch(self, seq: int, events: list[KvEvent]) -> None:
         self.expected_seq = seq + 1
         for event in events:
             self._apply(event)
-        return True
 
     def lose(self) -> None:
         """Batches were lost: what is present is no longer known. Records made before now become unknown."""

@@ -39,12 +39,22 @@ def test_removed_and_cleared() -> None:
 
 def test_replayed_batches_are_applied_once_and_a_gap_forgets_everything() -> None:
     e = EngineIndex()
-    assert e.apply(5, [stored(chain("a", 2))])
-    assert not e.apply(5, [Removed((b"a0",))])  # a replay overlapping what was read
-    assert b"a0" in e
-    assert e.apply(7, [stored(chain("b", 1))])  # 6 was lost
+    e.apply(5, [stored(chain("a", 2))])
+    assert not e.replayed(5, [Removed((b"a0",))])  # a replay overlapping what was read
+    assert e.replayed(6, [stored(chain("z", 1))])
+    assert b"a0" in e and b"z0" in e and e.gaps == 0
+    e.apply(8, [stored(chain("b", 1))])  # 7 was lost
     assert e.gaps == 1 and e.epoch == 1
     assert b"a0" not in e and b"b0" in e
+    assert e.replayed(11, [])  # a replay that starts past the gap does not fill it
+    assert e.gaps == 2
+
+
+def test_a_restarted_engine_starts_its_sequence_again_with_an_empty_cache() -> None:
+    e = EngineIndex()
+    e.apply(40, [stored(chain("a", 2))])
+    e.apply(0, [stored(chain("b", 1))])
+    assert b"a0" not in e and b"b0" in e and e.gaps == 1 and e.expected_seq == 1
 
 
 def _turn(kv: KvIndex, key: str, backend: str, seq: int, events: list[KvEvent], prompt: int) -> bool:
@@ -131,8 +141,11 @@ def _feed(batches: list[tuple[int, list[KvEvent]]], max_blocks: int = 1000) -> E
     e = EngineIndex(max_blocks=max_blocks, recent=8)
     seq = 0
     for step, events in batches:
-        seq += step  # a step of 0 replays the last batch, of 2 or more loses batches
-        e.apply(seq, events)
+        seq += step  # a step of 0 is a replayed batch, of 2 or more loses batches
+        if step == 0:
+            e.replayed(seq, events)
+        else:
+            e.apply(seq, events)
     return e
 
 
