@@ -18,6 +18,8 @@ present, and a missing one means the engine dropped at least the tail.
 Limits, stated:
 - Granularity is one turn: ``held`` says the prefix up to some earlier turn's prompt end is present.
   Blocks the reply added (decode) are not counted, so a warm follow-up reads as held minus about one reply.
+- The events of a request may arrive after its answer: attribution is retried on the engine's next few
+  batches (``PENDING_TRIES``), then given up (the conversation keeps its earlier checkpoints).
 - Two concurrent requests on one engine whose prompts end in the same block depth but differ: the
   checkpoint is ambiguous and not recorded (the conversation keeps its earlier checkpoints).
 - A conversation is known only to the gateway replica that finished its turns (records are local); the
@@ -46,6 +48,10 @@ DEFAULT_RECENT_EVENTS = 4096
 DEFAULT_MAX_CONVERSATIONS = 100_000
 #: Checkpoints kept per conversation and engine: the first (the head) and the latest ones.
 MAX_CHECKPOINTS = 6
+#: A finished request whose blocks were not announced yet (events travel apart from the answer) is tried
+#: again after each of that engine's next batches, this many times, and at most this many wait per engine.
+PENDING_TRIES = 8
+MAX_PENDING = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +200,7 @@ class _Record:
 class KvIndex:
     """Every event-publishing engine's index, and which blocks are each conversation's checkpoints."""
 
-    __slots__ = ("_records", "engines", "max_blocks", "max_conversations")
+    __slots__ = ("_pending", "_records", "engines", "max_blocks", "max_conversations")
 
     def __init__(
         self, max_blocks: int = DEFAULT_MAX_BLOCKS, max_conversations: int = DEFAULT_MAX_CONVERSATIONS
@@ -205,6 +211,7 @@ class KvIndex:
         self.max_conversations = max_conversations
         self.engines: dict[str, EngineIndex] = {}
         self._records: OrderedDict[str, dict[str, _Record]] = OrderedDict()
+        self._pending: dict[str, deque[_Pending]] = {}  # backend -> finished, not yet attributed
 
     def __len__(self) -> int:
         return len(self._records)
@@ -220,11 +227,38 @@ class KvIndex:
         index = self.engines.get(backend)
         return index.marks if index is not None else 0
 
-    def record(self, key: str, backend: str, since_mark: int, prompt_tokens: int) -> bool:
-        """A request of ``key`` sent at ``since_mark`` finished on ``backend`` with ``prompt_tokens``: add the
-        block that ends its prompt as a checkpoint. False when it cannot be told (no events, ambiguous)."""
+    def record(self, keys: tuple[str, ...], backend: str, since_mark: int, prompt_tokens: int) -> bool:
+        """A request sent at ``since_mark`` finished on ``backend`` with ``prompt_tokens``: the block that
+        ends its prompt becomes a checkpoint of each of ``keys``. When its blocks were not announced yet, it
+        is tried again on the engine's next batches (``settle``). False when it is not recorded now."""
         index = self.engines.get(backend)
-        if index is None or index.block_size < 1:
+        if index is None or not keys or prompt_tokens < 1:
+            return False
+        if self._attribute(index, keys, backend, since_mark, prompt_tokens):
+            return True
+        pending = self._pending.setdefault(backend, deque(maxlen=MAX_PENDING))
+        pending.append(_Pending(keys, since_mark, prompt_tokens, index.epoch, PENDING_TRIES))
+        return False
+
+    def settle(self, backend: str) -> None:
+        """After a batch of ``backend``'s was applied: attribute requests still waiting for their blocks."""
+        pending = self._pending.get(backend)
+        index = self.engines.get(backend)
+        if not pending or index is None:
+            return
+        for _ in range(len(pending)):
+            p = pending.popleft()
+            if p.epoch != index.epoch or self._attribute(
+                index, p.keys, backend, p.since_mark, p.prompt_tokens
+            ):
+                continue
+            if p.tries > 1:
+                pending.append(_Pending(p.keys, p.since_mark, p.prompt_tokens, p.epoch, p.tries - 1))
+
+    def _attribute(
+        self, index: EngineIndex, keys: tuple[str, ...], backend: str, since_mark: int, prompt_tokens: int
+    ) -> bool:
+        if index.block_size < 1:
             return False
         depth = prompt_tokens // index.block_size * index.block_size
         if depth < index.block_size:
@@ -232,38 +266,57 @@ class KvIndex:
         block = index.find(since_mark, depth)
         if block is None:
             return False
+        for key in keys:
+            self._checkpoint(key, backend, index.epoch, Checkpoint(block, depth))
+        return True
+
+    def _checkpoint(self, key: str, backend: str, epoch: int, checkpoint: Checkpoint) -> None:
         per_engine = self._records.pop(key, None) or {}
         self._records[key] = per_engine
         old = per_engine.get(backend)
-        kept = old.checkpoints if old is not None and old.epoch == index.epoch else ()
-        kept = tuple(c for c in kept if c.depth < depth)
+        kept = old.checkpoints if old is not None and old.epoch == epoch else ()
+        kept = tuple(c for c in kept if c.depth < checkpoint.depth)
         if len(kept) >= MAX_CHECKPOINTS:
             kept = kept[:1] + kept[2 - MAX_CHECKPOINTS :]
-        per_engine[backend] = _Record(index.epoch, (*kept, Checkpoint(block, depth)))
+        per_engine[backend] = _Record(epoch, (*kept, checkpoint))
         if len(self._records) > self.max_conversations:
             self._records.popitem(last=False)
-        return True
 
     def held(self, key: str, backend: str) -> int | None:
         """Prompt tokens of ``key``'s last recorded prompt that ``backend`` still holds; None: unknown."""
-        per_engine = self._records.get(key)
-        record = per_engine.get(backend) if per_engine is not None else None
-        index = self.engines.get(backend)
-        if record is None or index is None or record.epoch != index.epoch:
-            return None
-        for checkpoint in reversed(record.checkpoints):
-            if checkpoint.block in index:
-                return checkpoint.depth
-        return 0
+        found = self._held(key, backend)
+        return None if found is None else found[0]
 
-    def snapshot(self, key: str) -> tuple[tuple[str, int], ...]:
-        """``(backend, held tokens)`` for every engine known for ``key``, sorted: the routing input."""
+    def snapshot(self, key: str) -> tuple[tuple[str, int, bool], ...]:
+        """``(backend, held tokens, whole)`` for every engine known for ``key``, sorted by backend; ``whole``:
+        it still holds the latest recorded prompt (and, most likely, the reply that followed it)."""
         per_engine = self._records.get(key)
         if not per_engine:
             return ()
         out = []
         for backend in sorted(per_engine):
-            tokens = self.held(key, backend)
-            if tokens is not None:
-                out.append((backend, tokens))
+            found = self._held(key, backend)
+            if found is not None:
+                out.append((backend, *found))
         return tuple(out)
+
+    def _held(self, key: str, backend: str) -> tuple[int, bool] | None:
+        per_engine = self._records.get(key)
+        record = per_engine.get(backend) if per_engine is not None else None
+        index = self.engines.get(backend)
+        if record is None or index is None or record.epoch != index.epoch:
+            return None
+        latest = record.checkpoints[-1]
+        for checkpoint in reversed(record.checkpoints):
+            if checkpoint.block in index:
+                return checkpoint.depth, checkpoint is latest
+        return 0, False
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    keys: tuple[str, ...]
+    since_mark: int
+    prompt_tokens: int
+    epoch: int
+    tries: int

@@ -69,14 +69,18 @@ def test_replicas_share_the_blocks_and_keep_their_own_records() -> None:
     mark = a.mark("e1")
     for kv in (a, b):
         kv.engine("e1").apply(0, list(events))
-    assert a.record("c", "e1", mark, 130)
+    assert a.record(("c",), "e1", mark, 130)
     assert list(a.engine("e1")._blocks.items()) == list(b.engine("e1")._blocks.items())
-    assert a.snapshot("c") == (("e1", 128),) and b.snapshot("c") == ()  # B: unknown, it infers instead
+    assert a.snapshot("c") == (("e1", 128, True),) and b.snapshot("c") == ()  # B: unknown, it infers instead
     cands = [cand("e1"), cand("e2")]
     r = req(pinned="e1", prompt_tokens=130, head_tokens=40, tail_tokens=10)
-    da = POLICY.select(cands, replace(r, kv_held=a.snapshot("c")), 0.0)
-    db = POLICY.select(cands, replace(r, kv_held=b.snapshot("c")), 0.0)
+    da = POLICY.select(cands, replace(r, kv_held=held(a)), 0.0)
+    db = POLICY.select(cands, replace(r, kv_held=held(b)), 0.0)
     assert da.backend == db.backend == "e1" and (da.uncached_tokens, db.uncached_tokens) == (2, 10)
+
+
+def held(kv: KvIndex) -> tuple[tuple[str, int], ...]:
+    return tuple((backend, tokens) for backend, tokens, _whole in kv.snapshot("c"))
 
 
 IDS = ["a", "b", "c", "d"]

@@ -5,7 +5,16 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.kvindex import MAX_CHECKPOINTS, Cleared, EngineIndex, KvEvent, KvIndex, Removed, Stored
+from routing.kvindex import (
+    MAX_CHECKPOINTS,
+    PENDING_TRIES,
+    Cleared,
+    EngineIndex,
+    KvEvent,
+    KvIndex,
+    Removed,
+    Stored,
+)
 
 BS = 16
 
@@ -60,7 +69,7 @@ def test_a_restarted_engine_starts_its_sequence_again_with_an_empty_cache() -> N
 def _turn(kv: KvIndex, key: str, backend: str, seq: int, events: list[KvEvent], prompt: int) -> bool:
     mark = kv.mark(backend)
     kv.engine(backend).apply(seq, events)
-    return kv.record(key, backend, mark, prompt)
+    return kv.record((key,), backend, mark, prompt)
 
 
 def test_a_conversation_is_held_until_its_checkpoints_are_evicted() -> None:
@@ -77,7 +86,7 @@ def test_a_conversation_is_held_until_its_checkpoints_are_evicted() -> None:
     assert kv.held("c", "e1") == 32
     kv.engine("e1").apply(3, [Removed((b"c2", b"c1", b"c0"))])
     assert kv.held("c", "e1") == 0
-    assert kv.snapshot("c") == (("e1", 0),)
+    assert kv.snapshot("c") == (("e1", 0, False),)
 
 
 def test_identical_prompts_on_one_engine_share_one_checkpoint_different_ones_are_ambiguous() -> None:
@@ -85,13 +94,13 @@ def test_identical_prompts_on_one_engine_share_one_checkpoint_different_ones_are
     e = kv.engine("e1")
     mark = kv.mark("e1")
     e.apply(0, [stored(chain("s", 2))])  # twin A stores the shared head; twin B hit it
-    assert kv.record("A", "e1", mark, 35) and kv.record("B", "e1", mark, 33)
+    assert kv.record(("A",), "e1", mark, 35) and kv.record(("B",), "e1", mark, 33)
     assert kv.held("A", "e1") == kv.held("B", "e1") == 32
     mark = kv.mark("e1")
     e.apply(
         1, [stored(chain("x", 1, 2), b"s1"), stored(chain("y", 1, 2), b"s1")]
     )  # two different third blocks
-    assert not kv.record("A", "e1", mark, 50)
+    assert not kv.record(("A",), "e1", mark, 50)
     assert kv.held("A", "e1") == 32  # the earlier checkpoint stays
 
 
@@ -106,7 +115,7 @@ def test_a_gap_makes_earlier_records_unknown_until_the_next_turn_records() -> No
 
 def test_no_events_or_no_full_block_records_nothing() -> None:
     kv = KvIndex()
-    assert not kv.record("c", "e1", 0, 4000)  # an engine that publishes nothing
+    assert not kv.record(("c",), "e1", 0, 4000)  # an engine that publishes nothing
     assert not _turn(kv, "c", "e1", 0, [stored(chain("c", 1))], 10)
 
 
@@ -180,3 +189,24 @@ def test_a_gap_always_makes_earlier_records_unknown(
         e.apply(seq, events)
     e.apply(seq + jump, [])
     assert kv.held("c", "e1") is None
+
+
+def test_blocks_announced_after_the_answer_are_attributed_on_the_next_batches() -> None:
+    kv = KvIndex()
+    e = kv.engine("e1")
+    e.apply(0, [stored(chain("o", 1))])
+    mark = kv.mark("e1")
+    assert not kv.record(("c", "head"), "e1", mark, 40)  # finished; its BlockStored is still on its way
+    e.apply(1, [stored(chain("z", 1))])  # someone else's
+    kv.settle("e1")
+    assert kv.held("c", "e1") is None
+    e.apply(2, [stored(chain("c", 2))])
+    kv.settle("e1")
+    assert kv.held("c", "e1") == kv.held("head", "e1") == 32
+    assert kv.snapshot("c") == (("e1", 32, True),)
+    # one that never comes is given up after PENDING_TRIES batches
+    assert not kv.record(("d",), "e1", kv.mark("e1"), 400)
+    for seq in range(3, 3 + PENDING_TRIES + 1):
+        e.apply(seq, [])
+        kv.settle("e1")
+    assert not kv._pending["e1"]
