@@ -238,7 +238,7 @@ class RoutingFeedback:
         next_key = obs.key
         if info.first_turn and obs.reply is not None:
             next_key = reply_key(info.head_key, obs.reply)
-        # A first turn: its next turn routes by the reply (or by its session id, ``obs.key``); twins by the head.
+        # A first turn: its next turn routes by the reply (or its session id: ``obs.key``); twins by the head.
         keys = (next_key, obs.key, info.head_key) if info.first_turn else (obs.key,)
         keys = tuple(dict.fromkeys(keys))
         self.kv.record(keys, obs.backend, info.kv_mark, usage.prompt_tokens)
