@@ -240,8 +240,7 @@ class RoutingFeedback:
             next_key = reply_key(info.head_key, obs.reply)
         # A first turn: its next turn routes by the reply (or its session id: ``obs.key``); twins by the head.
         keys = (next_key, obs.key, info.head_key) if info.first_turn else (obs.key,)
-        keys = tuple(dict.fromkeys(keys))
-        self.kv.record(keys, obs.backend, info.kv_mark, usage.prompt_tokens)
+        self.kv.record(tuple(dict.fromkeys(keys)), obs.backend, info.kv_mark, usage.prompt_tokens)
 
     def _publish_rates(self) -> None:
         rates = self.speeds.prefill_tps
