@@ -121,7 +121,9 @@ class RoutingFeedback:
             turn_tokens=int(self.turn_tokens.value),
             holders=holders,
             hint=hint,
-            kv_held=self._kv_held(ctx.affinity_key, info.head_key, pinned or hint) if self.kv else (),
+            kv_held=self._kv_held(ctx.affinity_key, info.head_key, pinned or hint)
+            if self.kv is not None
+            else (),
         )
 
     def _kv_held(self, key: str, head_key: str, home: str | None) -> tuple[tuple[str, int], ...]:

@@ -265,3 +265,18 @@ async def test_an_unreadable_batch_is_a_gap_and_the_stream_goes_on(
         assert sum("unreadable batch" in r.getMessage() for r in caplog.records) == 1
     finally:
         await _close(h)
+
+
+@pytest.mark.anyio
+async def test_a_message_of_the_wrong_shape_is_a_gap_too(zctx: zmq.asyncio.Context) -> None:
+    h = await _harness(zctx, replay=False)
+    try:
+        await h.pub.send(1, batch(stored(b"a")))
+        assert await h.applied.get() == 2
+        await h.pub.pub.send_multipart([b"kv", (2).to_bytes(8, "big")])  # no payload frame
+        await h.pub.pub.send_multipart([b"kv", b"\x01", batch()])  # a sequence that is not 8 bytes
+        await h.pub.send(3, batch(stored(b"b")))
+        assert await h.applied.get() == 4
+        assert b"a" not in h.index and b"b" in h.index and h.counts.gaps == [False, False]
+    finally:
+        await _close(h)
