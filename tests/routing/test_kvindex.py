@@ -210,3 +210,10 @@ def test_blocks_announced_after_the_answer_are_attributed_on_the_next_batches() 
         e.apply(seq, [])
         kv.settle("e1")
     assert not kv._pending["e1"]
+
+
+def test_conversations_are_bounded_least_recently_recorded_first() -> None:
+    kv = KvIndex(max_conversations=2)
+    for seq, key in enumerate("abc"):
+        assert _turn(kv, key, "e1", seq, [stored(chain(key, 1))], 20)
+    assert len(kv) == 2 and kv.held("a", "e1") is None and kv.held("c", "e1") == 16
