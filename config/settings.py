@@ -349,6 +349,26 @@ class VisionMode(StrEnum):
     NONE = "none"  # text only: image requests go elsewhere, or are refused with a 400
 
 
+class KvEventsConfig(_Section):
+    """An engine's KV cache events (vLLM's and SGLang's ``--kv-events-config``): the gateway subscribes and
+    knows which conversations the engine still holds. Needs the ``kv`` extra (pyzmq, msgpack)."""
+
+    endpoint: str = Field(
+        pattern=r"^(tcp|ipc)://",
+        description="The engine's ZMQ PUB socket, e.g. tcp://10.0.0.5:5557 (the engine binds tcp://*:5557)",
+    )
+    replay_endpoint: str | None = Field(
+        default=None,
+        pattern=r"^(tcp|ipc)://",
+        description="Its replay (ROUTER) socket: batches missed after a gap or reconnect are asked for "
+        "there; without it a gap makes what the engine holds unknown until each conversation's next turn",
+    )
+    topic: str = Field(default="", description="The topic it publishes on (its `topic`; default none)")
+    replay_timeout_s: float = Field(
+        default=2.0, gt=0, description="How long a replay may take before the gap is given up on"
+    )
+
+
 class BackendConfig(_Section):
     """One engine (a ``backends[]`` entry); several with one model name are a pool."""
 
@@ -382,6 +402,11 @@ class BackendConfig(_Section):
         default=VisionMode.NATIVE,
         description="native: images forwarded as sent (what the engine would get without a gateway); "
         "embeds: images encoded by the vision sidecar; none: never sent image requests",
+    )
+    kv_events: KvEventsConfig | None = Field(
+        default=None,
+        description="Subscribe to its KV cache events (routing.policy ttft): an evicted conversation is "
+        "placed as cold",
     )
 
     @field_validator("url")

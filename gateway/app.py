@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -24,6 +25,7 @@ from backends.changes import Changes
 from backends.engine_metrics import SignalScraper
 from backends.fleet import Fleet
 from backends.health import HealthChecker
+from backends.kv_events import KvEventSubscriber, KvEventsUnavailable, require_kv_extra
 from backends.managed import BackendController
 from backends.registry import Registry
 from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
@@ -39,7 +41,7 @@ from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFou
 from gateway.guard import OutputGuard
 from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
-from gateway.metrics import Metrics, OnDemandMetrics
+from gateway.metrics import KvEventsMetrics, Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
@@ -52,6 +54,7 @@ from gateway.status_page import StatusPage
 from gateway.upstream import UpstreamPool
 from gateway.vision import VisionRouting, VisionStep, no_embeds
 from gateway.waiting import WaitingRoom
+from routing.kvindex import KvIndex
 from routing.params import RoutingParams
 from routing.policies import make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
@@ -119,8 +122,11 @@ class Gateway:
         # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
         self.feedback: RoutingFeedback | None = None
         self.signals: SignalScraper | None = None
+        self.kv, kv_metrics, self.kv_subscribers = self._kv_events(settings, params)
         if params.policy == "ttft":
-            self.feedback = RoutingFeedback(self.registry, params, settings.routing.session_header)
+            self.feedback = RoutingFeedback(
+                self.registry, params, settings.routing.session_header, kv=self.kv, kv_metrics=kv_metrics
+            )
             self.signals = SignalScraper(self.registry, self.client)
         self.proxy = Proxy(
             settings.timeouts,
@@ -154,6 +160,30 @@ class Gateway:
             Continuation(settings.thinking, self.metrics),
             *extra,
         )
+
+    def _kv_events(
+        self, settings: Settings, params: RoutingParams
+    ) -> tuple[KvIndex | None, KvEventsMetrics | None, list[KvEventSubscriber]]:
+        """Engines' KV cache events (backends/kv_events.py): one index, one subscriber per backend that has
+        ``kv_events``. Only the ttft policy reads them; others are told so once and subscribe to nothing."""
+        subscribed = [b for b in settings.backends if b.kv_events is not None]
+        if not subscribed:
+            return None, None, []
+        if params.policy != "ttft":
+            log.warning("backends[].kv_events is ignored: routing.policy %s does not read it", params.policy)
+            return None, None, []
+        try:
+            require_kv_extra()
+        except KvEventsUnavailable as exc:
+            raise ValueError(str(exc)) from None
+        kv = KvIndex()
+        metrics = self.metrics.kv_events(kv)
+        subs = []
+        for b in subscribed:
+            assert b.kv_events is not None
+            on_batch = functools.partial(kv.settle, b.id)
+            subs.append(KvEventSubscriber(b.id, b.kv_events, kv.engine(b.id), metrics, on_batch))
+        return kv, metrics, subs
 
     def _controller(self, cfg: BackendConfig, *args: Any) -> BackendController:
         """Each lifecycle controller reports its transitions to the metrics (canaries, restarts)."""
@@ -208,6 +238,8 @@ class Gateway:
         self.health.start()
         if self.signals is not None:
             self.signals.start()
+        for sub in self.kv_subscribers:
+            sub.start()
         try:
             yield
         finally:
@@ -223,6 +255,7 @@ class Gateway:
             await self.health.aclose()
             if self.signals is not None:
                 await self.signals.aclose()
+            await asyncio.gather(*(sub.aclose() for sub in self.kv_subscribers))
             await asyncio.gather(self.fleet.aclose(), *([self.sidecar.aclose()] if self.sidecar else []))
             # 7. Close upstream connections and the state store.
             await self.transport.aclose()

@@ -12,6 +12,10 @@
 - in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
   typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens.
 
+With engines that publish KV cache events (``kv``, a ``routing.kvindex.KvIndex`` fed by
+``backends.kv_events``), ``request`` also says what each of them still holds of this conversation
+(``RouteRequest.kv_held``) and ``observe`` ties the finished turn to the block that ends its prompt there.
+
 State here is this process's own (with Redis, pins and in-flight counts are shared; all of this is local
 and rebuilt from traffic within a minute). Synchronous and I/O-free, like every observer.
 """
@@ -24,11 +28,13 @@ from dataclasses import replace
 
 from backends.registry import Lease, Registry
 from gateway.context import RequestContext
-from gateway.observe import Observation, RouteInfo
+from gateway.metrics import KvEventsMetrics
+from gateway.observe import Observation, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
 from routing.affinity import AffinityTable
 from routing.holders import HeadHolders
 from routing.keys import first_reply, reply_key
+from routing.kvindex import KvIndex
 from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
 from routing.policies import Policy
 from routing.settle import settle_pin
@@ -51,9 +57,13 @@ class RoutingFeedback:
         params: RoutingParams,
         session_header: str = "x-session-id",
         clock: Callable[[], float] = time.monotonic,
+        kv: KvIndex | None = None,
+        kv_metrics: KvEventsMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.clock = clock
+        self.kv = kv
+        self.kv_metrics = kv_metrics
         self.session_header = session_header.lower().encode()
         weights = {b.id: b.cfg.weight for b in registry.backends.values()}
         self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
@@ -111,7 +121,27 @@ class RoutingFeedback:
             turn_tokens=int(self.turn_tokens.value),
             holders=holders,
             hint=hint,
+            kv_held=self._kv_held(ctx.affinity_key, info.head_key, pinned or hint)
+            if self.kv is not None
+            else (),
         )
+
+    def _kv_held(self, key: str, head_key: str, home: str | None) -> tuple[tuple[str, int], ...]:
+        """What each event-publishing engine holds: of this conversation, else (not its home) of its head.
+
+        The home is judged by the conversation's own record only (another replica may have served its last
+        turns: then inference stands), and by inference when it still holds the latest prompt (the reply
+        that followed it, which the index does not count, is most likely there too)."""
+        assert self.kv is not None
+        held = {b: tokens for b, tokens, _whole in self.kv.snapshot(head_key) if b != home}
+        if key != head_key:
+            for b, tokens, whole in self.kv.snapshot(key):
+                if b == home:
+                    if not whole:
+                        held[b] = tokens
+                elif tokens >= held.get(b, 0):
+                    held[b] = tokens
+        return tuple(sorted(held.items()))
 
     def conversations(self) -> Mapping[str, int]:
         """Active conversations per backend: what the ttft policy counts where affinity counts pins."""
@@ -148,6 +178,12 @@ class RoutingFeedback:
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
         backend = lease.backend.id
+        if self.kv is not None and backend in self.kv.engines:
+            info.kv_mark = self.kv.mark(backend)
+            estimate = self.kv.held(ctx.affinity_key, backend)
+            if estimate is None:
+                estimate = self.kv.held(info.head_key, backend)
+            info.kv_estimate = -1 if estimate is None else estimate
         now = self.clock()
         self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
         self.holders.add(info.head_key, backend)
@@ -175,6 +211,7 @@ class RoutingFeedback:
                 head = info.head_chars / self.chars_per_token.value
                 if usage.cached_tokens < _HELD_SHARE * head and not info.first_turn:
                     self.holders.drop(info.head_key, obs.backend)
+            self._kv_learn(obs, info, usage)
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
@@ -192,6 +229,20 @@ class RoutingFeedback:
         # twins sharing one head counts once.
         self.active.move(next_key, obs.backend, now)
         self._publish_rates()
+
+    def _kv_learn(self, obs: Observation, info: RouteInfo, usage: Usage) -> None:
+        """Tie the finished turn to the block ending its prompt on its engine, under the key its next turn
+        routes by (and, on a first turn, the head's); compare the index's estimate with the report."""
+        if self.kv is None or info.kv_mark < 0:
+            return
+        if info.kv_estimate >= 0 and usage.cached_tokens is not None and self.kv_metrics is not None:
+            self.kv_metrics.cached(obs.backend, info.kv_estimate, usage.cached_tokens)
+        next_key = obs.key
+        if info.first_turn and obs.reply is not None:
+            next_key = reply_key(info.head_key, obs.reply)
+        # A first turn: its next turn routes by the reply (or its session id: ``obs.key``); twins by the head.
+        keys = (next_key, obs.key, info.head_key) if info.first_turn else (obs.key,)
+        self.kv.record(tuple(dict.fromkeys(keys)), obs.backend, info.kv_mark, usage.prompt_tokens)
 
     def _publish_rates(self) -> None:
         rates = self.speeds.prefill_tps

@@ -34,10 +34,12 @@ from backends.events import (
     TimerFired,
     TimerKind,
 )
+from backends.kv_events import KvEventType
 from backends.lifecycle import Lifecycle
 from backends.registry import Registry
 from gateway.observe import Observation
 from gateway.outcomes import AttemptOutcome, RequestOutcome
+from routing.kvindex import KvIndex
 from routing.types import BackendState, Reason
 
 if TYPE_CHECKING:
@@ -98,6 +100,13 @@ class Metrics:
         self.clients = ClientRequests()
         r.register(self.clients)
         self.admission: AdmissionMetrics | None = None  # admission's, when it is enabled (``admitting``)
+        self.kv: KvEventsMetrics | None = None  # engines' KV cache events, when any backend has them
+
+    def kv_events(self, index: KvIndex) -> KvEventsMetrics:
+        """The KV cache events' collectors (backends/kv_events.py, gateway/learning.py), registered once."""
+        if self.kv is None:
+            self.kv = KvEventsMetrics(self.registry, index)
+        return self.kv
 
     def admitting(self, classes: Sequence[str]) -> AdmissionMetrics:
         """Admission's collectors (gateway/admission.py), registered here once; the status page reads them."""
@@ -565,6 +574,75 @@ class OnDemandMetrics(Collector):
         for (model, outcome), h in list(self.waits.items()):
             wait.add_metric([model, outcome], h.cumulative(), h.sum)
         yield wait
+
+
+class KvEventsMetrics(Collector):
+    """Engines' KV cache events (``backends.kv_events.KvEventMetrics``) and how well the index they build
+    foretells what the engine reports, registered on ``r``. Labels: backend ids from the configuration and
+    ``KvEventType`` values. The index size is read from the index at scrape time."""
+
+    def __init__(self, r: CollectorRegistry, index: KvIndex) -> None:
+        self.index = index
+        self.events: dict[tuple[str, str], int] = {}  # (backend, type)
+        self.gaps: dict[tuple[str, str], int] = {}  # (backend, "replayed" | "lost")
+        self.estimated: dict[tuple[str], int] = {}
+        self.reported: dict[tuple[str], int] = {}
+        self.compared: dict[tuple[str], int] = {}
+        r.register(self)
+
+    def received(self, backend: str, kind: KvEventType, n: int) -> None:
+        key = (backend, kind.value)
+        self.events[key] = self.events.get(key, 0) + n
+
+    def gap(self, backend: str, replayed: bool) -> None:
+        _bump(self.gaps, (backend, "replayed" if replayed else "lost"))
+
+    def cached(self, backend: str, estimated: int, reported: int) -> None:
+        """One request the index had an answer for: its cached tokens as estimated, and as reported."""
+        key = (backend,)
+        self.estimated[key] = self.estimated.get(key, 0) + estimated
+        self.reported[key] = self.reported.get(key, 0) + reported
+        _bump(self.compared, key)
+
+    def collect(self) -> _Families:
+        yield from _counter(
+            "warmroute_kv_events", "KV cache events received from engines, by type", ("backend", "type"),
+            self.events,
+        )  # fmt: skip
+        yield from _counter(
+            "warmroute_kv_event_gaps",
+            "Sequence gaps in an engine's KV events: filled by its replay socket, or lost (index reset)",
+            ("backend", "outcome"),
+            self.gaps,
+        )
+        blocks = GaugeMetricFamily(
+            "warmroute_kv_index_blocks", "Blocks the KV index holds for each engine", labels=["backend"]
+        )
+        for backend, engine in list(self.index.engines.items()):
+            blocks.add_metric([backend], len(engine))
+        yield blocks
+        yield GaugeMetricFamily(
+            "warmroute_kv_index_conversations", "Conversations with checkpoints in the KV index",
+            value=len(self.index),
+        )  # fmt: skip
+        yield from _counter(
+            "warmroute_kv_estimated_cached_tokens",
+            "Cached prompt tokens the KV index estimated, over the requests it had an answer for",
+            ("backend",),
+            self.estimated,
+        )
+        yield from _counter(
+            "warmroute_kv_reported_cached_tokens",
+            "Cached prompt tokens the engine reported, over the same requests",
+            ("backend",),
+            self.reported,
+        )
+        yield from _counter(
+            "warmroute_kv_compared_requests",
+            "Requests whose estimated and reported cached tokens were compared",
+            ("backend",),
+            self.compared,
+        )
 
 
 def _bump(table: dict[_K, int], key: _K) -> None:

@@ -46,6 +46,8 @@ class RouteInfo:
     tail_chars: int = 0  # after the last assistant message (the whole prompt on turn 1)
     uncached_tokens: int = 0  # the estimate for the backend the request went to
     queued_tokens: int = 0  # prefill estimated ahead of it there when it was sent
+    kv_mark: int = -1  # its engine's KV event mark when it was sent (-1: the engine publishes no events)
+    kv_estimate: int = -1  # cached tokens the KV index said that engine held (-1: it had no answer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,12 @@
 
 - ``rate``: the backend's prefill rate (learned by the gateway, ``routing.speed``; before that the weight
   times ``DEFAULT_PREFILL_TPS``).
-- ``uncached``: prompt tokens it does not hold. The pinned backend (or the one that produced this
-  conversation's first reply) holds all but the tail appended since the last reply; a backend that recently
-  prefilled the same head holds the head; any other holds nothing the gateway knows of.
+- ``uncached``: prompt tokens it does not hold. An engine whose KV cache events say what it holds of this
+  conversation (``request.kv_held``) is taken at its word, so a pin it evicted is cold and the engine that
+  still holds the longest prefix is the cheapest to prefill on. Otherwise the pinned backend (or the one
+  that produced this conversation's first reply) holds all but the tail appended since the last reply; a
+  backend that recently prefilled the same head holds the head; any other holds nothing the gateway knows
+  of.
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
 - ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
@@ -26,11 +29,24 @@ def rate(c: Candidate) -> float:
 
 
 def cached_tokens(c: Candidate, request: RouteRequest) -> int:
+    if request.kv_held:
+        for backend, held in request.kv_held:
+            if backend == c.id:
+                return min(held, request.prompt_tokens)
     if c.id == request.pinned or c.id == request.hint:
         return max(0, request.prompt_tokens - request.tail_tokens)
     if c.id in request.holders:
         return min(request.head_tokens, request.prompt_tokens)
     return 0
+
+
+def lost_history(c: Candidate, request: RouteRequest) -> bool:
+    """Its KV cache events say ``c`` no longer holds most of this conversation's history (it evicted it)."""
+    if request.kv_held:
+        for backend, held in request.kv_held:
+            if backend == c.id:
+                return 2 * held < request.prompt_tokens - request.tail_tokens
+    return False
 
 
 def uncached_tokens(c: Candidate, request: RouteRequest) -> int:

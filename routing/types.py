@@ -92,6 +92,10 @@ class RouteRequest:
     #: The backend that produced this conversation's first reply (a twin of an identical head): it holds the
     #: whole history, like a pin does.
     hint: str | None = None
+    #: ``(backend, prompt tokens it holds)`` from engines' own KV cache events (``routing.kvindex``), sorted
+    #: by backend; a backend listed here is judged by it (0: it evicted this conversation: cold), one absent
+    #: by the inference above. Empty when no engine publishes events or none is known for this conversation.
+    kv_held: tuple[tuple[str, int], ...] = ()
     #: Fill ``Decision.costs`` (the admin "why" dry run); the hot path leaves it off.
     explain: bool = False
 

@@ -89,6 +89,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     sim.add_argument("--decode-tps", type=float, default=s.decode_tps)
     sim.add_argument("--max-running", type=int, default=s.max_running)
     sim.add_argument("--cache-tokens", type=int, default=s.cache_tokens)
+    sim.add_argument(
+        "--kv-events", action="store_true", help="engines publish KV cache events; the gateway subscribes"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, help="write every number (and every request) here")
     out.add_argument("--plot", type=Path, default=Path(DEFAULT_PLOT), help="TTFT CDF per policy (PNG)")
@@ -228,6 +231,7 @@ def _engines(args: argparse.Namespace, launch: Launcher) -> tuple[tuple[Engine, 
         cache_tokens=args.cache_tokens,
         time_scale=args.time_scale,
         answer_tokens=(max(1, args.max_tokens // 2), max(1, args.max_tokens)),
+        kv_events=args.kv_events,
     )
     model = args.model or SIM_MODEL
     print(f"starting {args.sims} simulated engines ...", flush=True)

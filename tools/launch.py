@@ -49,6 +49,8 @@ class SimProfile:
     cache_tokens: int = sim_defaults.DEFAULT_CACHE_TOKENS
     time_scale: float = 1.0
     seed: int = 0
+    #: Each engine publishes KV cache events on a port of its own and the gateway subscribes (``kv_events``).
+    kv_events: bool = False
 
     def argv(self) -> list[str]:
         low, high = self.answer_tokens
@@ -67,6 +69,7 @@ class Engine:
 
     id: str
     url: str
+    kv_endpoint: str | None = None  # its KV cache events' PUB socket, when it publishes them
 
 
 @dataclass(slots=True)
@@ -111,15 +114,19 @@ class Launcher:
 
     def start_sims(self, count: int, profile: SimProfile, model: str) -> list[Engine]:
         """``count`` simulated engines named engine-1..N; returns once every one answers /health."""
-        started = []
+        started, kv = [], []
         for index in range(1, count + 1):
             name, port = f"engine-{index}", free_port()
             argv = procs.python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", model)
             argv += [*profile.argv(), "--log-level", "warning"]
+            endpoint = f"tcp://{LOCALHOST}:{free_port()}" if profile.kv_events else None
+            if endpoint is not None:
+                argv += ["--kv-events-endpoint", endpoint]
+            kv.append(endpoint)
             started.append(self._spawn(name, port, argv))
         for child in started:
             self._wait(child, "/health", procs.ok)
-        return [Engine(c.name, c.url) for c in started]
+        return [Engine(c.name, c.url, endpoint) for c, endpoint in zip(started, kv, strict=True)]
 
     def start_gateway(
         self,
@@ -135,9 +142,10 @@ class Launcher:
         """``warmroute serve`` in front of ``engines`` (in-memory state); returns once all are ready."""
         port = port or free_port()
         backends = [
-            {"id": e.id, "url": e.url, "models": [model], **({"api_key": api_key} if api_key else {})}
+            {"id": e.id, "url": e.url, "models": [model], **({"api_key": api_key} if api_key else {}),
+             **({"kv_events": {"endpoint": e.kv_endpoint}} if e.kv_endpoint else {})}
             for e in engines
-        ]
+        ]  # fmt: skip
         config = {
             "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
             "backends": backends,

@@ -4,6 +4,8 @@
   hash names the whole prefix up to and including that block.
 - A request's cache hit is the longest run of leading blocks present in the cache, capped (like vLLM) so at
   least the last prompt token is always computed.
+- ``on_events`` (optional) hears what changed, as vLLM's KV cache events: ``BlockStored`` for each run of
+  newly cached blocks (parent: the block before it), ``BlockRemoved`` for evicted ones, ``AllBlocksCleared``.
 - Capacity is ``capacity_tokens // block_size`` blocks; beyond it the least recently used block goes first.
   Within one chain the tail is touched before the head, so eviction takes a chain's tail blocks before its
   prefix (vLLM frees a finished request's blocks in reverse order for the same reason). That keeps the
@@ -13,10 +15,15 @@
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 ROOT_HASH = b"\x00" * 16
+
+#: One KV cache event as vLLM publishes it (a map tagged by ``type``), before msgpack.
+KvEvent = dict[str, Any]
 
 
 def _block_hash(parent: bytes, block: Sequence[str]) -> bytes:
@@ -39,9 +46,15 @@ def block_hashes(tokens: Sequence[str], block_size: int, prefix: Sequence[bytes]
 
 
 class PrefixCache:
-    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_size: int,
+        on_events: Callable[[list[KvEvent]], None] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.capacity_blocks = capacity_tokens // block_size
+        self.on_events = on_events
         # Least recently used first.
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
@@ -65,16 +78,57 @@ class PrefixCache:
         self._touch(hashes[:hit])
         return hit * self.block_size
 
-    def insert(self, hashes: Sequence[bytes]) -> None:
-        """Cache (or refresh) a chain of blocks, then evict down to capacity."""
+    def insert(self, hashes: Sequence[bytes], tokens: Sequence[str] = ()) -> None:
+        """Cache (or refresh) a chain of blocks, then evict down to capacity. ``tokens``: the chain's tokens
+        (the events' ``token_ids``)."""
+        events = self._stored(hashes, tokens) if self.on_events is not None else []
         self._touch(hashes)
+        evicted = []
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if self.on_events is not None:
+            if evicted:
+                events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "GPU"})
+            if events:
+                self.on_events(events)
 
     def clear(self) -> None:
         self._blocks.clear()
+        if self.on_events is not None:
+            self.on_events([{"type": "AllBlocksCleared"}])
 
     def _touch(self, hashes: Sequence[bytes]) -> None:
         for block in reversed(hashes):
             self._blocks[block] = None
             self._blocks.move_to_end(block)
+
+    def _stored(self, hashes: Sequence[bytes], tokens: Sequence[str]) -> list[KvEvent]:
+        """One ``BlockStored`` per run of blocks not cached yet, shaped as vLLM sends it."""
+        events: list[KvEvent] = []
+        bs = self.block_size
+        i = 0
+        while i < len(hashes):
+            if hashes[i] in self._blocks:
+                i += 1
+                continue
+            start = i
+            while i < len(hashes) and hashes[i] not in self._blocks:
+                i += 1
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": list(hashes[start:i]),
+                    "parent_block_hash": hashes[start - 1] if start else None,
+                    "token_ids": [token_id(t) for t in tokens[start * bs : i * bs]],
+                    "block_size": bs,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            )
+        return events
+
+
+def token_id(token: str) -> int:
+    """A stable integer id for a simulated token (the simulator's tokens are strings)."""
+    return zlib.crc32(token.encode()) & 0x7FFFFFFF

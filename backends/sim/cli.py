@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--slow-factor", type=float, default=1.0, metavar="F", help="multiplies prefill/decode"
     )
     p.add_argument("--prefill-serial", action="store_true", help="one prefill at a time (FIFO)")
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV cache events (vLLM's format) on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557",
+    )
+    p.add_argument("--kv-events-topic", default="kv")
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true")
     return p
@@ -102,6 +109,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_serial=args.prefill_serial,
         time_scale=args.time_scale,
         seed=args.seed,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
         faults=faults,
     )
 

@@ -61,6 +61,8 @@ class SimConfig:
     - each later token of a stream takes one decode step; with R streams running,
       step = (1 + ``decode_slowdown`` * (R - 1)) / ``decode_tps``,
       i.e. per-stream speed = decode_tps / (1 + decode_slowdown * (R - 1)).
+    - ``kv_events_endpoint``: publish KV cache events there (a ZMQ PUB socket bound to it, vLLM's format);
+      None: off.
     - ``prefill_serial``: prefills run one at a time, first come first served (a real engine's prefill
       token budget is shared by the requests in it); the cache is looked up when a prefill starts, so a
       request queued behind the same prefix hits it. Off: every prefill runs in parallel.
@@ -83,6 +85,8 @@ class SimConfig:
     prefill_serial: bool = False
     time_scale: float = 1.0
     seed: int = 0
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv"
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:

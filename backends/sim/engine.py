@@ -17,6 +17,7 @@ from typing import Any
 from backends.sim.cache import PrefixCache, block_hashes
 from backends.sim.config import SimConfig
 from backends.sim.faults import FaultState
+from backends.sim.kv_publisher import KvPublisher
 from backends.sim.text import OutputPlan, PieceKind
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -66,7 +67,11 @@ class EngineStats:
 class SimEngine:
     def __init__(self, cfg: SimConfig, sleep: Sleep | None = None) -> None:
         self.cfg = cfg
-        self.cache = PrefixCache(cfg.cache_tokens, cfg.block_size)
+        self.kv_publisher: KvPublisher | None = None
+        if cfg.kv_events_endpoint is not None:
+            self.kv_publisher = KvPublisher(cfg.kv_events_endpoint, cfg.kv_events_topic)
+        on_events = self.kv_publisher.publish if self.kv_publisher is not None else None
+        self.cache = PrefixCache(cfg.cache_tokens, cfg.block_size, on_events)
         self.faults = FaultState(cfg.faults)
         self.stats = EngineStats()
         self._sleep_fn: Sleep = sleep or asyncio.sleep
@@ -134,7 +139,7 @@ class SimEngine:
         self.stats.prefix_cache_hits += usage.cached_tokens
         self.stats.prompt_tokens += len(prompt)
         await self._sleep(ttft_seconds(self.cfg, len(prompt) - usage.cached_tokens))
-        self.cache.insert(hashes)
+        self.cache.insert(hashes, prompt)
 
     # -- one request ----------------------------------------------------------------------------------------
 
@@ -179,9 +184,15 @@ class SimEngine:
             finished = True
         finally:
             if prefilled:  # blocks filled during decode are cached too: the next turn can hit the reply
-                self.cache.insert(block_hashes([*prompt, *generated], self.cfg.block_size, prompt_hashes))
+                tokens = [*prompt, *generated]
+                self.cache.insert(block_hashes(tokens, self.cfg.block_size, prompt_hashes), tokens)
             self.stats.finished[plan.finish_reason.value if finished else "abort"] += 1
             self._release(request_id)
+
+    def close(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
 
     def snapshot(self) -> dict[str, Any]:
         """JSON view for ``GET /sim/stats``."""

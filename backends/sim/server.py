@@ -76,6 +76,7 @@ class SimServer:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._socket.close()
+        self.engine.close()
 
     def __enter__(self) -> SimServer:
         self.start()

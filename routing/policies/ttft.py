@@ -9,6 +9,7 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
                                            (affinity_hit: touch the pin, or claim the hint)
   - home no busier than there in the long run (load term): its queue drains and it keeps the history:
     a one-off spill, the pin stays                                       (spill_overload)
+    (unless its KV cache events say it evicted the history: then the pin moves, and without the margin)
   - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
     spilling every turn would pay it every turn                          (move_cheaper)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
@@ -19,7 +20,7 @@ Ties go by the rendezvous tie-break, so every replica given the same snapshot de
 
 from __future__ import annotations
 
-from routing.cost import cost, total_s, uncached_tokens
+from routing.cost import cost, lost_history, total_s, uncached_tokens
 from routing.load import find, key_seed, rendezvous
 from routing.params import RoutingParams
 from routing.types import (
@@ -86,9 +87,12 @@ class TtftPolicy:
         # conversation is not re-prefilled elsewhere to even out load, only when waiting at home costs more.
         stay, there = cost(home, request, self.load_share), cost(best, request, self.load_share)
         stay_now, there_now = stay.queue_s + stay.prefill_s, there.queue_s + there.prefill_s
-        if there_now + max(_MIN_MARGIN_S, self.stay_margin * stay_now) >= stay_now:
+        # A home whose KV events say it evicted the history has nothing left to stay for: no hysteresis.
+        lost = lost_history(home, request)
+        margin = _MIN_MARGIN_S if lost else max(_MIN_MARGIN_S, self.stay_margin * stay_now)
+        if there_now + margin >= stay_now:
             return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
-        if stay.load_s <= there.load_s:
+        if stay.load_s <= there.load_s and not lost:
             # Home is no busier in the long run: its queue drains, and it still holds the history.
             return self._decide(best, Reason.SPILL_OVERLOAD, PinAction.NONE, ready, request)
         # Busier for good: move once (the re-prefill is in the cost it won with) rather than spill every turn.
