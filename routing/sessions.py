@@ -117,5 +117,5 @@ def problem(value: str) -> str | None:
         return f"is longer than {MAX_VALUE_CHARS} characters"
     found = _FORBIDDEN.search(value)
     if found is not None:
-        return f"holds the control character \\u{ord(found.group()):04x}"
+        return f"holds \\u{ord(found.group()):04x} (no control characters or lone surrogates)"
     return None
