@@ -57,13 +57,16 @@ class KeyingMetrics(Protocol):
 class SessionIdentity:
     """The configured sources, in order; ``identify`` is called once per request with a conversation."""
 
-    __slots__ = ("agent_header", "agent_label", "sources")
+    __slots__ = ("agent_header", "agent_label", "names", "sources")
 
     def __init__(self, sources: Sequence[SessionSource], subagent_header: str | None = None) -> None:
         self.sources = tuple(sources)
         name = None if subagent_header is None else subagent_header.lower()
         self.agent_header = None if name is None else name.encode("latin-1")
         self.agent_label = f"header:{name}"
+        #: Every header name read: one pass over a request's headers finds them all.
+        wanted = [s.header for s in self.sources if s.kind is SourceKind.HEADER]
+        self.names = frozenset(wanted + ([self.agent_header] if self.agent_header else []))
 
     @classmethod
     def from_config(cls, routing: RoutingConfig) -> SessionIdentity:
@@ -81,23 +84,29 @@ class SessionIdentity:
 
         Raises ``BadRequest`` (naming the source) for a value that is too long or holds control characters.
         """
+        found: dict[bytes, bytes] = {}
+        names = self.names
+        for k, v in headers:
+            if k in names and k not in found:  # a header sent twice: its first value, as everywhere
+                found[k] = v
         for source in self.sources:
-            value = self._value(source, headers, body)
+            value = self._value(source, found, body)
             if not value:
                 continue
             _check(value, source.label)
             key = session_key(model, value, None if source.legacy else source.label)
-            agent = self._agent(headers)
+            agent = self._agent(found)
             if agent is None:
                 return key, Identity(source.label)
             return subagent_key(key, agent), Identity(source.label, subagent=True)
         return None
 
     def _value(
-        self, source: SessionSource, headers: Sequence[tuple[bytes, bytes]], body: Mapping[str, Any] | None
+        self, source: SessionSource, found: Mapping[bytes, bytes], body: Mapping[str, Any] | None
     ) -> str | None:
         if source.kind is SourceKind.HEADER:
-            return _header(headers, source.header)
+            raw = found.get(source.header)
+            return None if raw is None else bytes(raw).decode("latin-1")
         if body is None:
             return None
         value = body_value(body, source.path)
@@ -105,21 +114,13 @@ class SessionIdentity:
             return None  # absent, or not ours to judge: the engine gets the field as sent
         return user_id_session(value) if source.kind is SourceKind.BODY_SESSION else value
 
-    def _agent(self, headers: Sequence[tuple[bytes, bytes]]) -> str | None:
-        if self.agent_header is None:
+    def _agent(self, found: Mapping[bytes, bytes]) -> str | None:
+        raw = None if self.agent_header is None else found.get(self.agent_header)
+        if not raw:
             return None
-        agent = _header(headers, self.agent_header)
-        if not agent:
-            return None
+        agent = bytes(raw).decode("latin-1")
         _check(agent, self.agent_label)
         return agent
-
-
-def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for k, v in headers:
-        if k == name:
-            return bytes(v).decode("latin-1")
-    return None
 
 
 def _check(value: str, label: str) -> None:
