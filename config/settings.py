@@ -386,8 +386,8 @@ class BackendConfig(_Section):
     strip_volatile: bool | None = Field(
         default=None,
         description="Strip routing.volatile_prefixes system blocks from what this engine is sent. None: "
-        "unless its dialect drops them itself (vLLM does on /v1/messages); false: forward the client's "
-        "bytes",
+        "unless its dialect drops the billing block itself (vLLM does, on /v1/messages and chat); false: "
+        "forward the client's bytes",
     )
 
     @field_validator("url")

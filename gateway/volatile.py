@@ -4,7 +4,8 @@ An engine that keeps Claude Code's billing block in the prompt (a new nonce each
 block) misses its prefix cache from token 0 on every turn. ``VolatileStrip`` removes the blocks
 ``routing.volatile_prefixes`` names from the attempt's ``Draft`` — never the inbound body, so a retry on
 another engine starts from the client's bytes — where the backend wants it (``strip_volatile``; None: unless
-its dialect drops the billing block itself on that shape, ``EngineDialect.drops_billing_block``). Nothing
+its dialect drops the billing block itself on that shape, ``EngineDialect.drops_billing_block``; other
+volatile prefixes are stripped even then). Nothing
 volatile found, or nothing to strip for that backend: the client's bytes go on untouched.
 
 It keys on the body's structure, not on a route: a top-level ``system`` (a string or blocks) is an Anthropic

@@ -73,8 +73,9 @@ async def shaped(body: dict[str, Any], b: Backend, rules: VolatileRules = RULES)
         ("llamacpp", None, anthropic("1"), True),  # llama.cpp keeps it (its issue #20623)
         ("sglang", None, anthropic("1"), True),  # SGLang's Anthropic conversion keeps every system block
         ("vllm", None, anthropic("1"), False),  # vLLM's /v1/messages drops it before templating
-        ("vllm", None, chat("1"), True),  # ... its chat endpoint does not
+        ("vllm", None, chat("1"), False),  # ... and so does its chat endpoint, from system messages
         ("vllm", True, anthropic("1"), True),
+        ("vllm", True, chat("1"), True),
         ("llamacpp", False, anthropic("1"), False),
         ("openai", None, chat("1"), True),
         ("openai", False, chat("1"), False),
