@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -40,14 +40,13 @@ class SessionSource:
     name: str  # a lower-case header name, or a dotted body path
     label: str  # the spelling: metric label and error parameter
     legacy: bool = False  # routing.session_header: hashed as before (``routing.keys.session_key``)
+    # Derived once (read per request): the body path's segments, the header name as it arrives.
+    path: tuple[str, ...] = field(init=False, compare=False, repr=False)
+    header: bytes = field(init=False, compare=False, repr=False)
 
-    @property
-    def path(self) -> tuple[str, ...]:
-        return tuple(self.name.split("."))
-
-    @property
-    def header(self) -> bytes:
-        return self.name.encode("latin-1")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", tuple(self.name.split(".")))
+        object.__setattr__(self, "header", self.name.encode("latin-1"))
 
 
 def parse_source(spec: str, session_header: str) -> SessionSource:
