@@ -32,6 +32,13 @@ Facts, read from each engine's own source unless marked:
 
 Native shapes are what every build one meets serves: translating a shape to chat works everywhere, while
 sending it to a build that lacks it is a 404.
+
+Claude Code's billing block (``x-anthropic-billing-header: …`` as the first system block, a new nonce each
+request): vLLM 0.32 drops it before templating, on ``/v1/messages`` (entrypoints/anthropic/serving.py:
+top-level ``system`` blocks and inline system messages) and on chat (renderers/chat_utils.py: the first line
+of a ``system`` message's text parts; not of ``developer`` messages). SGLang's Anthropic request conversion
+keeps every system text block; llama.cpp keeps it (its issue #20623). So the gateway strips it for every
+dialect but vLLM (``drops_billing_block``), unless a backend says otherwise.
 """
 
 from __future__ import annotations
@@ -159,6 +166,9 @@ class EngineDialect:
     metrics: SignalNames
     embeds: EmbedsFormat | None  # None: the engine takes no ``image_embeds`` parts (``vision: native``)
     native_shapes: frozenset[ShapeName]
+    #: The shapes on whose endpoint the engine itself drops Claude Code's billing block (a system text block
+    #: starting ``x-anthropic-billing-header``) before templating; elsewhere the gateway strips it.
+    drops_billing_block: frozenset[ShapeName] = frozenset()
 
 
 _VLLM_SIGNALS = SignalNames(
@@ -200,6 +210,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         metrics=_VLLM_SIGNALS,
         embeds=EmbedsFormat(),
         native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.MESSAGES, ShapeName.RESPONSES},
+        drops_billing_block=frozenset({ShapeName.MESSAGES, ShapeName.CHAT}),
     ),
     Dialect.SGLANG: EngineDialect(
         budget=BudgetSpelling(

@@ -408,6 +408,12 @@ class BackendConfig(_Section):
         description="Subscribe to its KV cache events (routing.policy ttft): an evicted conversation is "
         "placed as cold",
     )
+    strip_volatile: bool | None = Field(
+        default=None,
+        description="Strip routing.volatile_prefixes system blocks from what this engine is sent. None: "
+        "unless its dialect drops the billing block itself (vLLM does, on /v1/messages and chat); false: "
+        "forward the client's bytes",
+    )
 
     @field_validator("url")
     @classmethod
@@ -479,6 +485,24 @@ class ThinkingConfig(_Section):
     )
 
 
+#: Session identity sources, in order (``routing.session_sources``): Claude Code, Codex (both spellings),
+#: OpenCode, the configured header, OpenAI's ``prompt_cache_key``, Claude Code's ``metadata.user_id``.
+DEFAULT_SESSION_SOURCES = (
+    "header:x-claude-code-session-id",
+    "header:session_id",
+    "header:session-id",
+    "header:x-session-affinity",
+    "session_header",
+    "body:prompt_cache_key",
+    "body-session:metadata.user_id",
+)
+DEFAULT_VOLATILE_PREFIXES = ("x-anthropic-billing-header:",)
+_HEADER_NAME = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_SESSION_SOURCE = re.compile(
+    rf"session_header|header:{_HEADER_NAME}|body(-session)?:[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*"
+)
+
+
 class RoutingConfig(_Section):
     """Where each request goes: the policy and its knobs."""
 
@@ -489,7 +513,28 @@ class RoutingConfig(_Section):
     session_header: str = Field(
         default="x-session-id",
         min_length=1,
-        description="A request header whose value is the conversation key",
+        description="A request header whose value is the conversation key (the `session_header` entry of "
+        "`session_sources`)",
+    )
+    session_sources: tuple[str, ...] = Field(
+        default=DEFAULT_SESSION_SOURCES,
+        description="Where a client names its session, in order; the first present wins and keys the "
+        "conversation instead of its head. `header:NAME` (a request header), `body:PATH` (a string field "
+        "of the body, dotted path), `body-session:PATH` (the session part of a Claude Code user id there: "
+        "`user_…_account_…_session_<id>`, or a JSON string's `session_id`), `session_header` "
+        "(`header:` + routing.session_header). Empty: heads only",
+    )
+    subagent_header: str | None = Field(
+        default="x-claude-code-agent-id",
+        min_length=1,
+        description="A request header naming a subagent within its session: a session-keyed request that "
+        "sends it gets a key of its own (session + agent id). None: subagents share their session's key",
+    )
+    volatile_prefixes: tuple[str, ...] = Field(
+        default=DEFAULT_VOLATILE_PREFIXES,
+        description="System text blocks starting with one of these change every request (Claude Code's "
+        "billing block, with a per-request nonce): left out of conversation keys, and stripped from what "
+        "is forwarded to backends whose `strip_volatile` says so",
     )
     affinity_ttl_s: float = Field(default=3600.0, gt=0, description="A pin unused this long is forgotten")
     affinity_max_entries: int = Field(
@@ -524,6 +569,31 @@ class RoutingConfig(_Section):
     completion_key_chars: int = Field(
         default=512, ge=16, description="Leading prompt characters that key a /v1/completions conversation"
     )
+
+    @field_validator("session_sources")
+    @classmethod
+    def _sources(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in v if not _SESSION_SOURCE.fullmatch(s)]
+        if bad:
+            raise ValueError(
+                f"unknown session source(s) {bad}: use header:NAME, body:PATH, body-session:PATH or "
+                "session_header"
+            )
+        return v
+
+    @field_validator("session_header", "subagent_header")
+    @classmethod
+    def _header_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(_HEADER_NAME, v):
+            raise ValueError(f"{v!r} is not an HTTP header name")
+        return v
+
+    @field_validator("volatile_prefixes")
+    @classmethod
+    def _prefixes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not p for p in v):
+            raise ValueError("an empty prefix would make every system block volatile")
+        return v
 
 
 class TimeoutConfig(_Section):

@@ -39,6 +39,7 @@ from gateway.continuation import Continuation
 from gateway.endpoints import Endpoint, Passthrough
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.guard import OutputGuard
+from gateway.identity import SessionIdentity
 from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
 from gateway.metrics import KvEventsMetrics, Metrics, OnDemandMetrics
@@ -53,11 +54,13 @@ from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import StatusPage
 from gateway.upstream import UpstreamPool
 from gateway.vision import VisionRouting, VisionStep, no_embeds
+from gateway.volatile import VolatileStrip
 from gateway.waiting import WaitingRoom
 from routing.kvindex import KvIndex
 from routing.params import RoutingParams
 from routing.policies import make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
+from routing.volatile import rules_for
 
 log = logging.getLogger("warmroute")
 
@@ -124,9 +127,7 @@ class Gateway:
         self.signals: SignalScraper | None = None
         self.kv, kv_metrics, self.kv_subscribers = self._kv_events(settings, params)
         if params.policy == "ttft":
-            self.feedback = RoutingFeedback(
-                self.registry, params, settings.routing.session_header, kv=self.kv, kv_metrics=kv_metrics
-            )
+            self.feedback = RoutingFeedback(self.registry, params, kv=self.kv, kv_metrics=kv_metrics)
             self.signals = SignalScraper(self.registry, self.client)
         self.proxy = Proxy(
             settings.timeouts,
@@ -148,11 +149,14 @@ class Gateway:
         first listed runs first (images are encoded before the budget is spelled; the guard sees the engine's
         own events, before reasoning fields are rewritten and phases stitched)."""
         guard = settings.guard
+        volatile = rules_for(settings.routing.volatile_prefixes)
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.waiting] if self.waiting is not None else []),
             *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
             *vision,
+            # Volatile system text (the billing block) off the bodies of engines that would keep it.
+            *([VolatileStrip(volatile, self.metrics)] if volatile else []),
             BudgetStep(self.budgets, self.metrics),
             *([self.feedback] if self.feedback is not None else []),
             *([OutputGuard(guard, self.metrics)] if guard.enabled else []),
@@ -351,7 +355,9 @@ def create_app(
         limits = settings.limits
         policy = gw.policy if shape.key is not None else LeastLoadedPolicy()  # no conversations: least loaded
         args = (shape, gw.proxy, settings.routing, max_body, policy, gw.budgets)
-        return Endpoint(*args, limits.max_json_values, gw.body_budget)
+        return Endpoint(*args, limits.max_json_values, gw.body_budget, identity=identity, keying=gw.metrics)
+
+    identity = SessionIdentity.from_config(settings.routing)  # one for every endpoint
 
     served = {shape.path: endpoint(shape) for shape in shapes}  # one endpoint per shape, holding it
     limits = settings.limits

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.registry import Backend, Lease
+from gateway.identity import Identity
 from gateway.images import VisionMemo
 from gateway.observe import ResponseTap, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
@@ -45,6 +46,7 @@ class RequestContext:
     shape: ApiShape  # the API shape of its route: what the phases read of its body and of its answers
     started_at: float = field(default_factory=time.monotonic)
     thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any
+    identity: Identity | None = None  # the session source that keyed it (gateway/identity.py); None: its head
     client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any
     peer: str | None = None  # the connection's remote address (host only), if the server told
     vision: VisionMemo | None = None  # the request's images and their encodings (gateway/vision.py)

@@ -15,19 +15,12 @@ from gateway.auth import client_of
 from gateway.budgets import BudgetPolicy
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
-from gateway.inbound import (
-    MAX_JSON_VALUES,
-    BodyBudget,
-    Charge,
-    ClientGone,
-    header,
-    parse_object,
-    read_body,
-)
+from gateway.identity import HEAD, Identity, KeyingMetrics, SessionIdentity
+from gateway.inbound import MAX_JSON_VALUES, BodyBudget, Charge, ClientGone, parse_object, read_body
 from gateway.proxy import Proxy
 from gateway.shapes.base import ApiShape, ThinkingUse
-from routing.keys import session_key
 from routing.policies import Policy
+from routing.volatile import rules_for
 
 log = logging.getLogger("warmroute.endpoints")
 
@@ -52,7 +45,12 @@ class Endpoint:
         budgets: BudgetPolicy | None = None,
         max_json_values: int = MAX_JSON_VALUES,
         body_budget: BodyBudget | None = None,
+        *,
+        identity: SessionIdentity | None = None,
+        keying: KeyingMetrics | None = None,
     ) -> None:
+        """``identity``: the session sources (default: read from ``routing``); ``keying``: where what keyed
+        each conversation is counted (None: nowhere)."""
         self.shape = shape
         self.proxy = proxy
         self.budgets = budgets
@@ -61,7 +59,9 @@ class Endpoint:
         self.max_json_values = max_json_values
         self.body_budget = body_budget
         self.policy = policy
-        self.session_header = routing.session_header.lower().encode("latin-1")
+        self.identity = identity or SessionIdentity.from_config(routing)
+        self.volatile = rules_for(routing.volatile_prefixes)
+        self.keying = keying
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         charge = Charge(self.body_budget)  # held until the request ends: the raw body is forwarded
@@ -69,6 +69,7 @@ class Endpoint:
             try:
                 raw = await read_body(scope, receive, self.max_body, charge)
                 ctx = self.context(scope, raw)
+                self.record(ctx)
             except GatewayError as err:
                 await self.proxy.reject(send, err, self.shape.errors)
                 return
@@ -84,23 +85,38 @@ class Endpoint:
             charge.release()
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
-        """The shape's own fields validated, its conversation keyed (a session id wins), its budget read."""
+        """The shape's own fields validated, its conversation keyed (a session identity wins), its budget
+        read."""
         shape = self.shape
         body = parse_object(raw, self.max_json_values)
         model = shape.validate(body)
         if shape.thinking is ThinkingUse.REFUSE and self.budgets is not None:
             self.budgets.refuse(body)
         key = shape.path
+        identity: Identity | None = None
         if shape.key is not None:
-            key = self.session(scope, model) or shape.key(body, model, self.routing)
+            named = self.identity.identify(scope["headers"], body, model)
+            if named is None:
+                key = shape.key(body, model, self.routing)
+            else:
+                key, identity = named
         ctx = self.make(scope, shape.path, raw, body, model, key)
+        ctx.identity = identity
         if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
             ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400, here
         return ctx
 
-    def session(self, scope: Scope, model: str) -> str | None:
-        sid = header(scope, self.session_header)
-        return session_key(model, sid.decode("latin-1")) if sid else None
+    def record(self, ctx: RequestContext) -> None:
+        """Count what keyed a conversation (a session source, or its head, volatile text left out)."""
+        if self.keying is None or self.shape.key is None:
+            return
+        identity = ctx.identity
+        if identity is not None:
+            self.keying.session_keyed(identity.source, identity.subagent)
+            return
+        self.keying.session_keyed(HEAD, False)
+        if ctx.body is not None and self.volatile and self.volatile.present(ctx.body):
+            self.keying.volatile_normalised("key")
 
     def make(
         self, scope: Scope, path: str, raw: bytes, body: dict[str, Any] | None, model: str | None, key: str

@@ -55,7 +55,6 @@ class RoutingFeedback:
         self,
         registry: Registry,
         params: RoutingParams,
-        session_header: str = "x-session-id",
         clock: Callable[[], float] = time.monotonic,
         kv: KvIndex | None = None,
         kv_metrics: KvEventsMetrics | None = None,
@@ -64,7 +63,6 @@ class RoutingFeedback:
         self.clock = clock
         self.kv = kv
         self.kv_metrics = kv_metrics
-        self.session_header = session_header.lower().encode()
         weights = {b.id: b.cfg.weight for b in registry.backends.values()}
         self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
         self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
@@ -89,7 +87,7 @@ class RoutingFeedback:
             return
         shape = chat_shape(messages)
         info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
-        if shape.turn > 1 and not self._has_session(ctx):
+        if shape.turn > 1 and ctx.identity is None:  # a named session is its own conversation already
             reply = first_reply(messages)
             if reply is not None:
                 ctx.route_key = reply_key(ctx.key, reply)
@@ -248,7 +246,3 @@ class RoutingFeedback:
         rates = self.speeds.prefill_tps
         for b in self.registry.backends.values():
             b.prefill_tps = rates.get(b.id, 0.0)
-
-    def _has_session(self, ctx: RequestContext) -> bool:
-        name = self.session_header
-        return any(n == name for n, _ in ctx.headers)

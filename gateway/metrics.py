@@ -192,6 +192,16 @@ class Metrics:
         _drop(t.tokens, 1, backend)
         self.fleet.forget(backend)
 
+    def session_keyed(self, source: str, subagent: bool) -> None:
+        """A conversation keyed by ``source`` (a session source's configured spelling, or "head")."""
+        key = (source, "subagent" if subagent else "session")
+        counts = self.tally.session_keys
+        counts[key] = counts.get(key, 0) + 1
+
+    def volatile_normalised(self, where: str) -> None:
+        """A request whose volatile system text was left out: of its ``key``, or of what was ``forward``ed."""
+        self.tally.volatile[where] = self.tally.volatile.get(where, 0) + 1
+
     def budget_attempt(self, enforced: str) -> None:
         """An attempt carrying a thinking budget: ``native``, ``gateway`` or ``off`` (thinking turned off)."""
         self.tally.budgets[enforced] = self.tally.budgets.get(enforced, 0) + 1
@@ -270,6 +280,8 @@ class _Tally(Collector):
         self.requests: dict[tuple[str, RequestOutcome], int] = {}
         self.timings: dict[str, tuple[_Histogram, _Histogram]] = {}  # backend -> (duration, first byte)
         self.budgets: dict[str, int] = {}  # thinking budgets by enforcement (gateway/budgets.py)
+        self.session_keys: dict[tuple[str, str], int] = {}  # (source label, session|subagent)
+        self.volatile: dict[str, int] = {}  # "key" / "forward" -> requests normalised there
         self.truncations = 0  # gateway-enforced budgets that cut the reasoning and continued
         self.reasoning_tokens = 0  # reasoning tokens of gateway-enforced requests
         self.finish_reasons: dict[tuple[str, str], int] = {}
@@ -311,6 +323,7 @@ class _Tally(Collector):
         yield from self._tokens()
         yield from self._output()
         yield from self._thinking()
+        yield from self._keying()
 
     def _timings(self) -> _Families:
         duration = HistogramMetricFamily(
@@ -365,6 +378,24 @@ class _Tally(Collector):
             ("backend", "action"),
             self.guard_trips,
         )
+
+    def _keying(self) -> _Families:
+        yield from _counter(
+            "warmroute_session_keyed_requests",
+            "Requests with a conversation by what keyed it: the session source (as configured in "
+            "routing.session_sources) or head; scope subagent when a subagent id split it from its session",
+            ("source", "scope"),
+            self.session_keys,
+        )
+        volatile = CounterMetricFamily(
+            "warmroute_volatile_normalised_requests",
+            "Requests with volatile system text (routing.volatile_prefixes) left out: of the conversation "
+            "key (key), or of the body an engine was sent (forward)",
+            labels=["where"],
+        )
+        for where in ("key", "forward"):
+            volatile.add_metric([where], self.volatile.get(where, 0))
+        yield volatile
 
     def _thinking(self) -> _Families:
         budgets = CounterMetricFamily(

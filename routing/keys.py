@@ -13,22 +13,43 @@ from typing import Any
 
 import xxhash
 
+from routing.volatile import NO_RULES, SYSTEM_ROLES, VolatileRules
+
 _SEP = b"\x1f"  # unit separator between fields; lengths are hashed too, so no two inputs collide by framing
 
 
-def session_key(model: str, session_id: str) -> str:
-    return _digest([b"session", model.encode(), session_id.encode()])
+def session_key(model: str, session_id: str, source: str | None = None) -> str:
+    """Key of a conversation the client names: model, where the name came from, the name.
+
+    ``source`` None is the legacy ``routing.session_header`` (its keys stay what they were, so pins in a
+    shared store survive an upgrade); any other source is hashed in, so one value sent by two sources
+    (a header and a body field of different clients) names two conversations.
+    """
+    if source is None:
+        return _digest([b"session", model.encode(), session_id.encode()])
+    return _digest([b"session", model.encode(), source.encode(), session_id.encode()])
 
 
-def chat_key(body: Mapping[str, Any]) -> str:
-    """Key of a chat-completions body. ``body`` must already be validated (model str, messages list)."""
+def subagent_key(session: str, agent_id: str) -> str:
+    """Key of a subagent's conversation: its session's key and its own id (each agent of one session has
+    its own prompt, so its own prefix)."""
+    return _digest([b"subagent", session.encode(), agent_id.encode()])
+
+
+def chat_key(body: Mapping[str, Any], volatile: VolatileRules = NO_RULES) -> str:
+    """Key of a chat-completions body. ``body`` must already be validated (model str, messages list).
+    System text ``volatile`` names (a per-request nonce) is left out."""
     fields = [b"chat", str(body["model"]).encode()]
     tools = body.get("tools")
     if tools:
         fields.append(json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
     for msg in head_messages(body["messages"]):
-        fields.append(str(msg.get("role", "")).encode())
-        fields.extend(canonical_parts(msg.get("content")))
+        role = msg.get("role", "")
+        content = msg.get("content")
+        if isinstance(role, str) and role in SYSTEM_ROLES:
+            content = volatile.drop_content(content)
+        fields.append(str(role).encode())
+        fields.extend(canonical_parts(content))
     return _digest(fields)
 
 

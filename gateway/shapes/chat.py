@@ -11,6 +11,7 @@ from gateway.inbound import check_common, check_content, check_text, require_mod
 from gateway.reasoning import normalise
 from gateway.shapes.base import ApiShape, ThinkingUse
 from routing.keys import chat_key
+from routing.volatile import rules_for
 
 
 def validate(body: dict[str, Any]) -> str:
@@ -39,8 +40,9 @@ def validate(body: dict[str, Any]) -> str:
 
 
 def key(body: dict[str, Any], model: str, routing: RoutingConfig) -> str:
-    """Model, tools and the conversation head (up to the first user message)."""
-    return chat_key(body)
+    """Model, tools and the conversation head (up to the first user message), volatile system text left
+    out."""
+    return chat_key(body, rules_for(routing.volatile_prefixes))
 
 
 def reasoning(doc: dict[str, Any], fields: ReasoningFields, streamed: bool) -> None:

@@ -9,13 +9,14 @@ import pytest
 from test_proxy_phases import backends_ab, make_proxy, run
 
 from gateway.context import RequestContext
+from gateway.identity import Identity
 from gateway.learning import RoutingFeedback
 from gateway.observe import Observation, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
 from gateway.proxy import Proxy
 from gateway.shapes.table import CHAT, COMPLETIONS
 from gateway.state import MemoryAffinityStore
-from routing.keys import chat_key, reply_key
+from routing.keys import chat_key, reply_key, session_key
 from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
 from routing.policies.ttft import TtftPolicy
 from routing.types import Reason
@@ -81,9 +82,28 @@ async def test_a_session_id_keeps_its_key_on_every_turn() -> None:
     proxy, _ = v2_proxy(fake)
     ctx = chat([*HEAD, {"role": "assistant", "content": "x"}, {"role": "user", "content": "go"}],
                headers=[(b"x-session-id", b"s1")])  # fmt: skip
+    ctx.key, ctx.identity = session_key("m", "s1"), Identity("header:x-session-id")  # as the endpoint keys it
     key = ctx.key
     await run(proxy, ctx)
     assert ctx.key == key and ctx.affinity_key == key
+
+
+async def test_any_session_source_keeps_its_key_and_the_header_alone_does_not() -> None:
+    """Learning reads what keyed the request (``ctx.identity``), not a header of its own: a body source
+    counts as a session, and a session header the endpoint did not key by is just a header."""
+    fake = FakeTransport()
+    fake.script("http://a", streamed("x"), streamed("y"))
+    fake.script("http://b", streamed("x"), streamed("y"))
+    proxy, _ = v2_proxy(fake)
+    turn2 = [*HEAD, {"role": "assistant", "content": "x"}, {"role": "user", "content": "go"}]
+    named = chat(turn2)
+    named.key = session_key("m", "pck", "body:prompt_cache_key")
+    named.identity = Identity("body:prompt_cache_key")
+    await run(proxy, named)
+    assert named.route_key is None and named.affinity_key == named.key
+    unnamed = chat(turn2, headers=[(b"x-session-id", b"s1")])
+    await run(proxy, unnamed)
+    assert unnamed.route_key == reply_key(unnamed.key, "x")
 
 
 async def test_the_prefill_ledger_is_empty_once_requests_are_done() -> None:
