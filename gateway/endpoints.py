@@ -26,6 +26,7 @@ from gateway.inbound import (
 )
 from gateway.proxy import Proxy
 from gateway.shapes.base import ApiShape, ThinkingUse
+from gateway.shapes.responses import check_response_id
 from routing.keys import session_key
 from routing.policies import Policy
 
@@ -141,6 +142,18 @@ class Passthrough(Endpoint):
             if "model" in body:
                 model = self.shape.validate(body)
         return self.make(scope, path, raw, None, model, path)
+
+
+class StoredResponse(Endpoint):
+    """``GET``/``DELETE /v1/responses/{id}``, ``POST .../{id}/cancel``, ``GET .../{id}/input_items``: to the
+    engine that owns the id (gateway/ownership.py), with the client's path, query and body as they are."""
+
+    def context(self, scope: Scope, raw: bytes) -> RequestContext:
+        rid = check_response_id(scope.get("path_params", {}).get("response_id"), "response_id")
+        path = upstream_path(scope)
+        ctx = self.make(scope, path, raw, None, None, path)
+        ctx.owned_id = rid
+        return ctx
 
 
 def upstream_path(scope: Scope) -> str:

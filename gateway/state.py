@@ -82,6 +82,17 @@ class AffinityStore(Protocol):
         """Shown by /readyz: at least {"backend": name, "degraded": bool}."""
         ...
 
+    # -- /v1/responses ids: which engine holds each one's state (gateway/ownership.py) --------------
+
+    async def own(self, response_id: str, backend: str) -> None:
+        """Record ``backend`` as the owner of ``response_id`` for ``routing.response_owner_ttl_s``; visible
+        to every replica sharing the store once this returns. One round trip; never raises."""
+        ...
+
+    async def owner(self, response_id: str) -> str | None:
+        """The backend that owns ``response_id``, or None (never recorded, expired). One round trip."""
+        ...
+
     async def aclose(self) -> None: ...
 
     # -- the admin plane (never on the request path) ----------------------------------------------
@@ -115,6 +126,8 @@ class MemoryAffinityStore:
         changes: Changes | None = None,
     ) -> None:
         self.table = AffinityTable(cfg.affinity_ttl_s, cfg.affinity_max_entries)
+        #: /v1/responses id -> the backend holding its state (no pin: never counted as a conversation).
+        self.owners = AffinityTable(cfg.response_owner_ttl_s, cfg.affinity_max_entries)
         self.clock = clock
         self.changes = changes if changes is not None else Changes()
 
@@ -144,6 +157,12 @@ class MemoryAffinityStore:
 
     def finished(self, backend: str) -> None:
         return None
+
+    async def own(self, response_id: str, backend: str) -> None:
+        self.owners.move(response_id, backend, self.clock())
+
+    async def owner(self, response_id: str) -> str | None:
+        return self.owners.get(response_id, self.clock())
 
     def status(self) -> dict[str, object]:
         return {"backend": "memory", "degraded": False, "entries": len(self.table)}
