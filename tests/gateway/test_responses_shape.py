@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -10,15 +11,20 @@ import openai
 import pytest
 
 from backends.registry import Registry
+from config.settings import load_settings
+from gateway.app import create_app
 from gateway.ownership import Recorder
 from gateway.shapes.responses import RESPONSES, usage
 from gateway.state import MemoryAffinityStore
 from routing.keys import responses_key
 from routing.types import BackendState
+from tools.redis_server import RedisServer
 
 from clusters import Cluster, ClusterFactory
 from responses_fakes import ResponsesEngine
+from upstreams import serve
 
+FAST_HEALTH = {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1}
 HEAD = {"model": "m", "instructions": "You are Codex.", "tools": [{"type": "function", "name": "sh"}]}
 
 
@@ -28,6 +34,15 @@ def two(cluster: ClusterFactory, **overrides: object) -> Cluster:
 
 def engine_of(c: Cluster, response_id: str) -> str:
     return next(name for name, e in c.engines.items() if response_id in e.stored)  # type: ignore[attr-defined]
+
+
+def response_id(r: httpx.Response) -> str:
+    """The id of an answer: a body's, or a stream's ``response.created`` ``response.id``."""
+    if r.headers["content-type"].startswith("text/event-stream"):
+        created = json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])
+        assert created["type"] == "response.created"
+        return str(created["response"]["id"])
+    return str(r.json()["id"])
 
 
 def metric_lines(c: Cluster) -> list[str]:
@@ -117,11 +132,7 @@ def test_a_chain_of_three_turns_always_reaches_the_owner(cluster: ClusterFactory
             assert r.status_code == 200, r.text
             assert r.headers["x-warmroute-backend"] == owner
             assert r.headers["x-warmroute-route"] == "response_owner"
-            previous = (
-                json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
-                if turn == 1
-                else r.json()["id"]
-            )
+            previous = response_id(r)
             assert engine_of(c, previous) == owner
     c.wait_idle()
     assert c.in_flight() == 0
@@ -203,8 +214,6 @@ def test_store_false_is_not_recorded(cluster: ClusterFactory) -> None:
 
 @pytest.mark.anyio
 async def test_the_owner_is_recorded_before_the_bytes_holding_the_id_are_sent() -> None:
-    from config.settings import load_settings
-
     settings = load_settings(None, backends=[{"id": "a", "url": "http://127.0.0.1:9", "models": ["m"]}])
     store = MemoryAffinityStore(settings.routing)
     registry = Registry(settings.backends)
@@ -257,3 +266,34 @@ def test_the_openai_sdk_chains_streams_and_reads_errors_as_its_own(cluster: Clus
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="m", input="x", reasoning={"effort": "extreme"})  # type: ignore[typeddict-item]
     c.wait_idle()
+
+
+# -- two replicas sharing Redis ---------------------------------------------------------------------------
+
+
+def test_a_chain_alternating_replicas_sharing_redis_reaches_the_owner_every_turn(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    with contextlib.ExitStack() as stack:
+        engines = {n: ResponsesEngine(n) for n in ("a", "b", "c")}
+        backends = [
+            {"id": n, "url": stack.enter_context(serve(e.app()))[0], "models": ["m"]}
+            for n, e in engines.items()
+        ]
+        redis = {"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0}
+        settings = load_settings(
+            None, backends=backends, redis=redis, routing={"policy": "least_loaded"}, health=FAST_HEALTH
+        )
+        replicas = [stack.enter_context(serve(create_app(settings)))[0] for _ in range(2)]
+        reached = 0
+        for chain in range(4):
+            rid = httpx.post(replicas[0] + "/v1/responses", json={**HEAD, "input": f"task {chain}"}).json()["id"]
+            owner = next(n for n, e in engines.items() if rid in e.stored)
+            for turn in range(1, 7):  # the follow-up goes to the other replica the instant the answer ended
+                body = {**HEAD, "input": f"turn {turn}", "previous_response_id": rid, "stream": turn % 2 == 0}
+                r = httpx.post(replicas[turn % 2] + "/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                reached += r.headers["x-warmroute-backend"] == owner
+                rid = response_id(r)
+                assert rid in engines[owner].stored
+        assert reached == 4 * 6  # 100 %, and no engine's 404 on the way
