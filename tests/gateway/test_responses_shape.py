@@ -287,7 +287,8 @@ def test_a_chain_alternating_replicas_sharing_redis_reaches_the_owner_every_turn
         replicas = [stack.enter_context(serve(create_app(settings)))[0] for _ in range(2)]
         reached = 0
         for chain in range(4):
-            rid = httpx.post(replicas[0] + "/v1/responses", json={**HEAD, "input": f"task {chain}"}).json()["id"]
+            first = httpx.post(replicas[0] + "/v1/responses", json={**HEAD, "input": f"task {chain}"})
+            rid = first.json()["id"]
             owner = next(n for n, e in engines.items() if rid in e.stored)
             for turn in range(1, 7):  # the follow-up goes to the other replica the instant the answer ended
                 body = {**HEAD, "input": f"turn {turn}", "previous_response_id": rid, "stream": turn % 2 == 0}
