@@ -279,13 +279,14 @@ def shape_routes(served: Mapping[str, Endpoint]) -> list[Route]:
     return [Route(path, ep, methods=["POST"]) for path, ep in shape_paths(served)]
 
 
-def stored_routes(stored: StoredResponse) -> list[Route]:
-    """A stored response's own routes (before the passthrough fallback): to the engine that owns it."""
+def stored_routes(endpoint: Callable[..., StoredResponse]) -> list[Route]:
+    """A stored response's own routes (before the passthrough fallback), to the engine that owns it; each
+    answers every method itself (a wrong one is its 405)."""
     base = RESPONSES.path + "/{response_id}"
     return [
-        Route(base, stored, methods=["GET", "DELETE"]),
-        Route(base + "/cancel", stored, methods=["POST"]),
-        Route(base + "/input_items", stored, methods=["GET"]),
+        Route(base, endpoint("GET", "HEAD", "DELETE")),
+        Route(base + "/cancel", endpoint("POST")),
+        Route(base + "/input_items", endpoint("GET", "HEAD")),
     ]
 
 
@@ -382,10 +383,11 @@ def create_app(
     async def metrics(_request: Request) -> Response:
         return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
 
-    stored = [] if RESPONSES not in shapes else stored_routes(
-        StoredResponse(RESPONSES, gw.proxy, settings.routing, max_body, OWNER_POLICY, gw.budgets,
-                       limits.max_json_values, gw.body_budget)
-    )  # fmt: skip
+    def stored_response(*methods: str) -> StoredResponse:
+        args = (RESPONSES, gw.proxy, settings.routing, max_body, OWNER_POLICY, gw.budgets)
+        return StoredResponse(frozenset(methods), *args, limits.max_json_values, gw.body_budget)
+
+    stored = [] if RESPONSES not in shapes else stored_routes(stored_response)
     routes = [
         *shape_routes(served),
         *stored,

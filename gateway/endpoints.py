@@ -146,9 +146,19 @@ class Passthrough(Endpoint):
 
 class StoredResponse(Endpoint):
     """``GET``/``DELETE /v1/responses/{id}``, ``POST .../{id}/cancel``, ``GET .../{id}/input_items``: to the
-    engine that owns the id (gateway/ownership.py), with the client's path, query and body as they are."""
+    engine that owns the id (gateway/ownership.py), with the client's path, query and body as they are.
+
+    Mounted for every method: another method on these paths is a 405 here, never a forward elsewhere."""
+
+    def __init__(self, methods: frozenset[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.methods = methods
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
+        if scope["method"] not in self.methods:
+            raise MethodNotAllowed(
+                f"{scope['method']} is not allowed on {scope['path']}; use {', '.join(sorted(self.methods))}"
+            )
         rid = check_response_id(scope.get("path_params", {}).get("response_id"), "response_id")
         path = upstream_path(scope)
         ctx = self.make(scope, path, raw, None, None, path)

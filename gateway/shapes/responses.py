@@ -12,6 +12,7 @@ to that engine only. A stream that breaks after its head ends with Responses' ow
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
@@ -21,6 +22,8 @@ from gateway.inbound import check_common, check_content, check_text, require_mod
 from gateway.observe import Usage
 from gateway.shapes.base import ApiShape, ErrorShape, openai_body
 from routing.keys import responses_key
+
+log = logging.getLogger("warmroute.inbound")
 
 PATH = "/v1/responses"
 #: What a response id may look like (OpenAI's and vLLM's are ``resp_`` + hex): anything else is refused
@@ -58,7 +61,9 @@ def validate(body: dict[str, Any]) -> str:
 def check_response_id(value: Any, param: str) -> str:
     """``value`` if it is a response id, else a 400 naming ``param``."""
     if not isinstance(value, str) or RESPONSE_ID.fullmatch(value) is None:
-        shown = repr(value)[:80]
+        shown = repr(value)[:80]  # escaped: a control character never reaches a log line as itself
+        if isinstance(value, str):  # a path or store key in disguise: one line, as for hostile bodies
+            log.info("rejected a response id in %s: %s", param, shown)
         raise BadRequest(
             f"'{param}' must be a response id (letters, digits, '_', '-', '.', ':'; at most 200), "
             f"got {shown}",
