@@ -97,6 +97,9 @@ class Endpoint:
         ctx = self.make(scope, shape.path, raw, body, model, key)
         if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
             ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400, here
+        elif shape.thinking is ThinkingUse.EFFORT and self.budgets is not None:
+            self.budgets.refuse(body)  # no token cap on this shape
+            ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, scope["headers"], model)
         return ctx
 
     def session(self, scope: Scope, model: str) -> str | None:

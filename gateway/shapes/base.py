@@ -41,6 +41,10 @@ class ThinkingUse(StrEnum):
     RESOLVE = "resolve"  # read and validated (a bad value is a 400), then spelled per dialect
     REFUSE = "refuse"  # a budget field is refused with a 400: the shape has no reasoning to cap
     IGNORE = "ignore"  # not looked at (bodies the gateway does not own)
+    #: An effort only, at the shape's ``effort_path``: validated, then spelled per dialect; no token cap (the
+    #: shape's engines read none and the gateway's two-phase cap continues a chat message), so a
+    #: ``thinking_budget`` is refused with a 400.
+    EFFORT = "effort"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +84,6 @@ class ApiShape:
     text_key: bytes = b'"content":'
     reasoning: ReasoningRewrite | None = None  # None: its answers carry no reasoning to rewrite
     thinking: ThinkingUse = ThinkingUse.IGNORE
+    #: Where its requests keep a reasoning effort (``ThinkingUse.EFFORT``): keys from the top-level object.
+    effort_path: tuple[str, ...] = ()
     vision: bool = False  # its requests may hold ``image_url`` parts in ``messages`` (gateway/vision.py)

@@ -20,7 +20,7 @@ from config.settings import Effort, RoutingConfig
 from gateway.errors import BadRequest, GatewayError
 from gateway.inbound import check_common, check_content, check_text, require_model
 from gateway.observe import Usage
-from gateway.shapes.base import ApiShape, ErrorShape, openai_body
+from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse, openai_body
 from routing.keys import responses_key
 
 log = logging.getLogger("warmroute.inbound")
@@ -180,4 +180,6 @@ RESPONSES = ApiShape(
     errors=RESPONSES_ERRORS,
     usage=usage,
     text_key=b'"delta":',  # response.output_text.delta's text (reasoning and argument deltas too)
+    thinking=ThinkingUse.EFFORT,
+    effort_path=("reasoning", "effort"),
 )

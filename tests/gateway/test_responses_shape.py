@@ -298,3 +298,42 @@ def test_a_chain_alternating_replicas_sharing_redis_reaches_the_owner_every_turn
                 rid = response_id(r)
                 assert rid in engines[owner].stored
         assert reached == 4 * 6  # 100 %, and no engine's 404 on the way
+
+
+# -- reasoning effort through the budget machinery ----------------------------------------------------------
+
+
+def test_reasoning_effort_goes_as_sent_where_the_dialect_reads_it(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[ResponsesEngine("a")])  # dialect openai: none, minimal, low, medium, high
+    raw = b'{"model": "m", "input": "x", "reasoning": {"effort": "none", "summary": "auto"}}'
+    assert httpx.post(c.url + "/v1/responses", content=raw).status_code == 200
+    assert c.engines["a"].raw == [raw]  # the client's own bytes: "none" is its "off"
+    lines = metric_lines(c)
+    assert 'warmroute_thinking_budget_attempts_total{enforced="off"} 1.0' in lines
+
+
+def test_an_effort_the_dialect_lacks_is_left_out_and_a_header_effort_is_spelled_in(
+    cluster: ClusterFactory,
+) -> None:
+    c = cluster(engines=[ResponsesEngine("a")])
+    body = {"model": "m", "input": "x", "reasoning": {"effort": "max", "summary": "auto"}}
+    assert httpx.post(c.url + "/v1/responses", json=body).status_code == 200
+    headed = httpx.post(
+        c.url + "/v1/responses", json={"model": "m", "input": "y"}, headers={"x-reasoning-effort": "low"}
+    )
+    assert headed.status_code == 200
+    sent = c.engines["a"].requests
+    assert sent[0]["reasoning"] == {"summary": "auto"}  # the engine's default effort, the rest as sent
+    assert sent[1]["reasoning"] == {"effort": "low"}
+    assert 'warmroute_thinking_budget_attempts_total{enforced="native"} 2.0' in metric_lines(c)
+
+
+def test_a_thinking_budget_has_no_meaning_here_and_is_refused(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[ResponsesEngine("a")])
+    r = httpx.post(c.url + "/v1/responses", json={"model": "m", "input": "x", "thinking_budget": 512})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
+    bad = httpx.post(
+        c.url + "/v1/responses", json={"model": "m", "input": "x"}, headers={"x-reasoning-effort": "lots"}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-reasoning-effort"
+    assert c.engines["a"].raw == []
