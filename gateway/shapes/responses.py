@@ -19,7 +19,7 @@ from typing import Any
 from config.settings import Effort, RoutingConfig
 from gateway.errors import BadRequest, GatewayError
 from gateway.inbound import check_common, check_content, check_text, require_model
-from gateway.observe import Usage
+from gateway.observe import ReplyText, Usage
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse, openai_body
 from routing.keys import responses_key
 
@@ -156,6 +156,65 @@ def _count(obj: dict[str, Any], name: str) -> int | None:
     return None
 
 
+def conversation(body: dict[str, Any]) -> list[Any] | None:
+    """The turns as chat messages, for the routing feedback: instructions as a system message, a string
+    input as one user message, function calls as assistant tool calls, their outputs as tool messages
+    (reasoning items carry no turn). None with ``previous_response_id``: the earlier turns are the
+    engine's, and the request is routed to it whatever its shape."""
+    if body.get("previous_response_id") is not None:
+        return None
+    out: list[Any] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        out.append({"role": "system", "content": instructions})
+    items = body["input"]
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("role"), str):
+            out.append({"role": item["role"], "content": _chat_content(item.get("content"))})
+        elif item.get("type") == "function_call":
+            out.append(
+                {"role": "assistant", "tool_calls": [{"function": {"arguments": item.get("arguments")}}]}
+            )
+        elif item.get("type") == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "content": output if isinstance(output, str) else json.dumps(output)})
+    return out
+
+
+def _chat_content(content: Any) -> Any:
+    if not isinstance(content, list):
+        return content
+    return [
+        {"type": "text", "text": p.get("text")}
+        if isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+        else p
+        for p in content
+    ]
+
+
+def reply_text(doc: Any) -> str | None:
+    """A whole response's reply: its first message item's output text, else its first function call's
+    arguments."""
+    output = doc.get("output") if isinstance(doc, dict) else None
+    for item in output if isinstance(output, list) else ():
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "message":
+            parts = item.get("content")
+            texts = [
+                p.get("text") for p in parts or () if isinstance(p, dict) and p.get("type") == "output_text"
+            ]
+            return "".join(t for t in texts if isinstance(t, str))
+        if item.get("type") == "function_call":
+            arguments = item.get("arguments")
+            return arguments if isinstance(arguments, str) else None
+    return None
+
+
 def stream_end(err: GatewayError) -> bytes:
     """Responses' ``error`` event (no ``[DONE]``: Responses streams end with their last event). Its
     ``sequence_number`` is 0: the gateway does not count the engine's events."""
@@ -182,4 +241,6 @@ RESPONSES = ApiShape(
     text_key=b'"delta":',  # response.output_text.delta's text (reasoning and argument deltas too)
     thinking=ThinkingUse.EFFORT,
     effort_path=("reasoning", "effort"),
+    conversation=conversation,
+    reply=ReplyText(marker=b'"response.output_text.delta"', key=b'"delta"', body=reply_text),
 )

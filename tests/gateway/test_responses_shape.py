@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import httpx
 import openai
@@ -13,10 +14,13 @@ import pytest
 from backends.registry import Registry
 from config.settings import load_settings
 from gateway.app import create_app
+from gateway.observe import ResponseTap
 from gateway.ownership import Recorder
 from gateway.shapes.responses import RESPONSES, usage
+from gateway.sse import EventSplitter
 from gateway.state import MemoryAffinityStore
-from routing.keys import responses_key
+from routing.keys import first_reply, reply_key, responses_key
+from routing.shape import chat_shape
 from routing.types import BackendState
 from tools.redis_server import RedisServer
 
@@ -337,3 +341,51 @@ def test_a_thinking_budget_has_no_meaning_here_and_is_refused(cluster: ClusterFa
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-reasoning-effort"
     assert c.engines["a"].raw == []
+
+
+# -- what the routing feedback learns from this shape -------------------------------------------------------
+
+
+def test_the_tap_reads_the_first_reply_from_output_text_deltas_and_from_a_body() -> None:
+    events = (
+        b'event: response.created\ndata: {"type":"response.created","response":{"id":"r"}}\n\n'
+        b"event: response.reasoning_text.delta\n"
+        b'data: {"type":"response.reasoning_text.delta","delta":"hmm"}\n\n'
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"Hel"}\n\n'
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"lo"}\n\n'
+    )
+    tap = ResponseTap(reply=True, text=RESPONSES.reply)
+    tap.take(EventSplitter(1 << 16).feed(events))
+    assert tap.reply() == "Hello"
+    body = {"id": "r", "output": [{"type": "reasoning"}, {"type": "message", "content": [
+        {"type": "output_text", "text": "Hi"}, {"type": "output_text", "text": " there"}]}]}  # fmt: skip
+    plain = ResponseTap(reply=True, text=RESPONSES.reply)
+    plain.feed(json.dumps(body).encode())
+    assert plain.reply() == "Hi there"
+
+
+def test_the_turns_are_read_from_input_items_and_a_chained_request_has_none() -> None:
+    assert RESPONSES.conversation is not None
+    turn2 = {"model": "m", "instructions": "sys", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "task"}]},
+        {"type": "reasoning", "summary": []},
+        {"type": "function_call", "call_id": "c", "name": "sh", "arguments": '{"cmd":"ls"}'},
+        {"type": "function_call_output", "call_id": "c", "output": "a.txt"},
+    ]}  # fmt: skip
+    messages = RESPONSES.conversation(turn2)
+    assert messages is not None
+    shape = chat_shape(messages)
+    assert (shape.turn, shape.head_chars, shape.tail_chars) == (2, len("sys") + len("task"), len("a.txt"))
+    assert first_reply(messages) == '{"cmd":"ls"}'
+    assert RESPONSES.conversation({**turn2, "previous_response_id": "resp_1"}) is None
+
+
+def test_under_the_ttft_policy_a_first_streamed_reply_is_learned(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[ResponsesEngine("a")], routing={"policy": "ttft"})
+    body = {**HEAD, "input": "task", "stream": True}
+    assert httpx.post(c.url + "/v1/responses", json=body).status_code == 200
+    c.wait_idle()
+    feedback = c.gateway.feedback
+    assert feedback is not None
+    key = reply_key(responses_key({**HEAD, "input": "task"}), "a says 1 ")
+    assert feedback.replies.get(key, time.monotonic()) == "a"
