@@ -389,3 +389,24 @@ def test_under_the_ttft_policy_a_first_streamed_reply_is_learned(cluster: Cluste
     assert feedback is not None
     key = reply_key(responses_key({**HEAD, "input": "task"}), "a says 1 ")
     assert feedback.replies.get(key, time.monotonic()) == "a"
+
+
+# -- admin "where would this go and why" --------------------------------------------------------------------
+
+
+def test_explain_takes_a_responses_body_and_names_the_owner_of_a_chain(cluster: ClusterFactory) -> None:
+    c = two(cluster)
+    sample = {**HEAD, "input": "task"}
+    fresh = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/responses", "body": sample})
+    assert fresh.status_code == 200, fresh.text
+    assert fresh.json()["key"] == responses_key(sample) and fresh.json()["reason"] == "new_least_loaded"
+    rid = httpx.post(c.url + "/v1/responses", json=sample).json()["id"]
+    owner = engine_of(c, rid)
+    chained = {**HEAD, "input": "more", "previous_response_id": rid}
+    e = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/responses", "body": chained}).json()
+    assert (e["backend"], e["reason"], e["pin_action"]) == (owner, "response_owner", "none")
+    assert [cand["id"] for cand in e["candidates"]] == [owner]
+    unknown = {**chained, "previous_response_id": "resp_nobody"}
+    r = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/responses", "body": unknown})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+    assert sum(len(e.raw) for e in c.engines.values()) == 1  # the dry runs reached no engine
