@@ -69,19 +69,19 @@ class ResponseOwnership:
         return Recorder(ctx, send, self.store).send
 
     async def enter(self, ctx: RequestContext, send: Send) -> Release | None:
-        rid = ctx.owned_id
+        rid, param = ctx.owned_id, "response_id"  # the id in the path
         if rid is None and ctx.shape is RESPONSES and ctx.body is not None:
-            rid = ctx.body.get("previous_response_id")
+            rid, param = ctx.body.get("previous_response_id"), "previous_response_id"
             ctx.owned_id = rid
         if rid is None:
             return None
-        owner = await self.owner(rid)
-        self.check(rid, owner, ctx.model)
+        owner = await self.owner(rid, param)
+        self.check(rid, owner, ctx.model, param)
         ctx.ineligible = frozenset(self.registry.backends) - {owner}
         ctx.policy = OWNER_POLICY
         return None
 
-    async def owner(self, rid: str) -> str:
+    async def owner(self, rid: str, param: str) -> str:
         owner = await self.store.owner(rid)
         if owner is not None:
             return owner
@@ -93,17 +93,17 @@ class ResponseOwnership:
         raise ResponseNotFound(
             f"response {rid!r} is not known to this gateway (never made through it, or older than its "
             f"record's lifetime); {_RESEND}",
-            param="previous_response_id",
+            param=param,
         )
 
-    def check(self, rid: str, owner: str, model: str | None) -> None:
+    def check(self, rid: str, owner: str, model: str | None, param: str) -> None:
         """The owner can take the request now, or the error that says why not."""
         backend = self.registry.backends.get(owner)
         if backend is None:
             raise ResponseOwnerGone(
                 f"response {rid!r} is held by backend {owner!r}, which has been removed: its stored state "
                 f"went with it; {_RESEND}",
-                param="previous_response_id",
+                param=param,
             )
         if model is not None and model not in backend.cfg.models:
             raise BadRequest(
@@ -122,7 +122,7 @@ class ResponseOwnership:
         raise ResponseOwnerGone(
             f"backend {owner!r}, which holds response {rid!r}, takes no requests now ({why}); no other "
             f"engine has this response's state: {_RESEND}",
-            param="previous_response_id",
+            param=param,
         )
 
 

@@ -9,6 +9,8 @@ calls ``view`` once and ``commit`` at most once per attempt (a retry that moves 
 ``started``/``finished`` are plain functions called by the registry's leases: they change local counts,
 published with the store's next round trip or heartbeat. So a routed request costs at most two round trips
 (three on the retry path). A view is a snapshot: later changes to the store never show through it.
+``/v1/responses`` adds one each way (gateway/ownership.py): ``own`` once per stored answer, ``owner`` once
+per request naming a stored response (which then commits no pin).
 
 Each store announces the pins its commits claim or move on ``changes`` (``backends.changes``). The admin
 plane asks the port what it needs and never the concrete type: ``admin_channel`` (may runtime changes be

@@ -410,3 +410,20 @@ def test_explain_takes_a_responses_body_and_names_the_owner_of_a_chain(cluster: 
     r = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/responses", "body": unknown})
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
     assert sum(len(e.raw) for e in c.engines.values()) == 1  # the dry runs reached no engine
+
+
+def test_owner_draining_or_removed_is_a_409_never_another_engine(cluster: ClusterFactory) -> None:
+    c = two(cluster)
+    drained = httpx.post(c.url + "/v1/responses", json={**HEAD, "input": "one"}).json()["id"]
+    owner = engine_of(c, drained)
+    assert httpx.post(c.url + f"/admin/backends/{owner}/drain", timeout=10).status_code == 200
+    r = httpx.get(c.url + f"/v1/responses/{drained}")
+    assert r.status_code == 409 and "draining" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "response_id"
+    assert httpx.delete(c.url + f"/admin/backends/{owner}", timeout=10).status_code == 200
+    chained = {**HEAD, "input": "two", "previous_response_id": drained}
+    gone = httpx.post(c.url + "/v1/responses", json=chained)
+    assert gone.status_code == 409 and "has been removed" in gone.json()["error"]["message"]
+    other = "b" if owner == "a" else "a"
+    assert all("previous_response_id" not in body for body in c.engines[other].requests)
+    assert c.in_flight() == 0
