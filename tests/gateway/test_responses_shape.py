@@ -12,16 +12,20 @@ import openai
 import pytest
 
 from backends.registry import Registry
-from config.settings import load_settings
+from config.settings import RedisConfig, RoutingConfig, load_settings
 from gateway.app import create_app
+from gateway.errors import ServerBusy
 from gateway.observe import ResponseTap
-from gateway.ownership import Recorder
+from gateway.ownership import Recorder, ResponseOwnership
+from gateway.redis_keys import RedisKeys
+from gateway.redis_store import RedisAffinityStore
 from gateway.shapes.responses import RESPONSES, usage
 from gateway.sse import EventSplitter
 from gateway.state import MemoryAffinityStore
 from routing.keys import first_reply, reply_key, responses_key
 from routing.shape import chat_shape
 from routing.types import BackendState
+from tools.procs import free_port
 from tools.redis_server import RedisServer
 
 from clusters import Cluster, ClusterFactory
@@ -427,3 +431,36 @@ def test_owner_draining_or_removed_is_a_409_never_another_engine(cluster: Cluste
     other = "b" if owner == "a" else "a"
     assert all("previous_response_id" not in body for body in c.engines[other].requests)
     assert c.in_flight() == 0
+
+
+# -- the store: Redis shared, and Redis gone ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_owners_are_shared_through_redis_with_the_ttl_and_kept_locally_when_it_is_gone(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    routing = RoutingConfig(response_owner_ttl_s=60)
+    cfg = RedisConfig(url=redis_server.url, prefix=redis_prefix, timeout_s=2.0)
+    one, two = (RedisAffinityStore(cfg, routing, ["a", "b"]) for _ in range(2))
+    try:
+        await one.own("resp_1", "b")
+        assert await two.owner("resp_1") == "b"  # another replica's record
+        assert await two.owner("resp_2") is None
+        ttl_ms = await one.client.pttl(RedisKeys(redis_prefix).response_owner("resp_1"))
+        assert 59_000 < ttl_ms <= 60_000
+    finally:
+        await one.aclose()
+        await two.aclose()
+    gone = RedisConfig(url=f"redis://127.0.0.1:{free_port()}", prefix=redis_prefix, timeout_s=0.5)
+    alone = RedisAffinityStore(gone, routing, ["a", "b"])
+    try:
+        await alone.own("resp_3", "a")  # degrades, and keeps the record locally
+        assert alone.status()["degraded"] is True
+        assert await alone.owner("resp_3") == "a"
+        settings = load_settings(None, backends=[{"id": "a", "url": "http://127.0.0.1:9", "models": ["m"]}])
+        ownership = ResponseOwnership(alone, Registry(settings.backends))
+        with pytest.raises(ServerBusy):  # not known here, and the shared record cannot be read
+            await ownership.owner("resp_4", "previous_response_id")
+    finally:
+        await alone.aclose()
