@@ -569,6 +569,12 @@ class RoutingConfig(_Section):
     completion_key_chars: int = Field(
         default=512, ge=16, description="Leading prompt characters that key a /v1/completions conversation"
     )
+    response_owner_ttl_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="How long the engine that produced a /v1/responses answer is remembered as the owner "
+        "of its id (previous_response_id, GET/DELETE/cancel/input_items go there only)",
+    )
 
     @field_validator("session_sources")
     @classmethod

@@ -36,19 +36,20 @@ from gateway.auth import AccessGuard, AdminAccess, ClientKeys, log_admin_access
 from gateway.budgets import BudgetPolicy, BudgetStep
 from gateway.context import RequestContext
 from gateway.continuation import Continuation
-from gateway.endpoints import Endpoint, Passthrough
+from gateway.endpoints import Endpoint, Passthrough, StoredResponse
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.guard import OutputGuard
 from gateway.identity import SessionIdentity
 from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
 from gateway.metrics import KvEventsMetrics, Metrics, OnDemandMetrics
+from gateway.ownership import OWNER_POLICY, ResponseOwnership
 from gateway.proxy import Proxy
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
 from gateway.shapes.base import ApiShape
-from gateway.shapes.table import PASSTHROUGH, SHAPES
+from gateway.shapes.table import PASSTHROUGH, RESPONSES, SHAPES
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import StatusPage
@@ -152,6 +153,7 @@ class Gateway:
         volatile = rules_for(settings.routing.volatile_prefixes)
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
+            ResponseOwnership(self.store, self.registry),  # before the waiting room: an unknown id waits not
             *([self.waiting] if self.waiting is not None else []),
             *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
             *vision,
@@ -314,6 +316,17 @@ def shape_routes(served: Mapping[str, Endpoint]) -> list[Route]:
     return [Route(path, ep, methods=["POST"]) for path, ep in shape_paths(served)]
 
 
+def stored_routes(endpoint: Callable[..., StoredResponse]) -> list[Route]:
+    """A stored response's own routes (before the passthrough fallback), to the engine that owns it; each
+    answers every method itself (a wrong one is its 405)."""
+    base = RESPONSES.path + "/{response_id}"
+    return [
+        Route(base, endpoint("GET", "HEAD", "DELETE")),
+        Route(base + "/cancel", endpoint("POST")),
+        Route(base + "/input_items", endpoint("GET", "HEAD")),
+    ]
+
+
 class HotPath:
     """Sends the generation endpoints straight to their ASGI apps; everything else goes through Starlette.
 
@@ -409,8 +422,14 @@ def create_app(
     async def metrics(_request: Request) -> Response:
         return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
 
+    def stored_response(*methods: str) -> StoredResponse:
+        args = (RESPONSES, gw.proxy, settings.routing, max_body, OWNER_POLICY, gw.budgets)
+        return StoredResponse(frozenset(methods), *args, limits.max_json_values, gw.body_budget)
+
+    stored = [] if RESPONSES not in shapes else stored_routes(stored_response)
     routes = [
         *shape_routes(served),
+        *stored,
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/{rest:path}", passthrough),  # every other /v1 route: the PASSTHROUGH shape

@@ -83,6 +83,24 @@ class BudgetPolicy:
             budget = mcfg.default_budget
         return Thinking(budget, effort, explicit)
 
+    def resolve_effort(
+        self,
+        body: dict[str, Any],
+        path: tuple[str, ...],
+        headers: Sequence[tuple[bytes, bytes]],
+        model: str | None,
+    ) -> Thinking | None:
+        """For shapes with an effort only (``ThinkingUse.EFFORT``): the body's effort at ``path`` (the shape
+        validated it), else the effort header's; None if neither, or the model does not think."""
+        value = read_path(body, path)
+        if value is None:
+            value = _effort({}, _header(headers, self.effort_header), self.cfg.effort_header)
+        elif value not in EFFORTS:
+            raise BadRequest(f"'{'.'.join(path)}' must be one of {', '.join(EFFORTS)}", param=".".join(path))
+        if value is None or not self.model(model).thinks:
+            return None
+        return Thinking(None, str(value), False)
+
 
 class BudgetStep:
     """The ``PrepareStep``: the budget spelled for the chosen backend's dialect, per attempt.
@@ -98,6 +116,9 @@ class BudgetStep:
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         if ctx.shape.thinking is ThinkingUse.IGNORE:
             return  # a shape without budgets: its body is the client's
+        if ctx.shape.thinking is ThinkingUse.EFFORT:
+            self._effort(ctx, backend, draft)
+            return
         thinking = ctx.thinking
         body = draft.read()
         if thinking is None:
@@ -112,6 +133,45 @@ class BudgetStep:
             shape_phase1(shaped, thinking)
             draft.enforced = thinking  # this attempt's, not the request's: a retry elsewhere decides anew
         self.metrics.budget_attempt("off" if thinking.off else "gateway" if enforced else "native")
+
+    def _effort(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        """The effort where the shape keeps it, if the backend's dialect accepts it (else left out: the
+        engine's default); the client's bytes when that is what they already say."""
+        thinking = ctx.thinking
+        if thinking is None or thinking.effort is None:
+            return
+        path = ctx.shape.effort_path
+        accepted = DIALECTS[backend.cfg.dialect].budget.efforts
+        wanted = thinking.effort if thinking.effort in accepted else None
+        if read_path(draft.read(), path) != wanted:
+            write_path(draft.edit(), path, wanted)
+        self.metrics.budget_attempt("off" if thinking.off else "native")
+
+
+def read_path(body: dict[str, Any] | None, path: tuple[str, ...]) -> Any:
+    """The value at ``path`` in nested objects, or None where any step is absent or not an object."""
+    value: Any = body
+    for name in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(name)
+    return value
+
+
+def write_path(body: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Set (``value`` None: remove) the value at ``path``, rebuilding each nested object on the way: the
+    original's nested objects are never mutated (``Draft``)."""
+    name, rest = path[0], path[1:]
+    if not rest:
+        if value is None:
+            body.pop(name, None)
+        else:
+            body[name] = value
+        return
+    inner = body.get(name)
+    copy = dict(inner) if isinstance(inner, dict) else {}
+    write_path(copy, rest, value)
+    body[name] = copy
 
 
 def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinking) -> bool:

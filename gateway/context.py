@@ -50,6 +50,9 @@ class RequestContext:
     client: str | None = None  # name of the client key that authenticated it (gateway/auth.py), if any
     peer: str | None = None  # the connection's remote address (host only), if the server told
     vision: VisionMemo | None = None  # the request's images and their encodings (gateway/vision.py)
+    #: The stored /v1/responses id this request needs (its ``previous_response_id``, or the id in its
+    #: path): only the engine that owns it can answer (gateway/ownership.py).
+    owned_id: str | None = None
     # -- routing inputs, set by the modules' route hooks before routing ---------------------------------
     ineligible: frozenset[str] = frozenset()  # backends that cannot serve this request (``RouteFilter``)
     route_key: str | None = None  # the key routing pins, when a ``RouteInputs`` refines ``key``

@@ -19,6 +19,7 @@ from gateway.identity import HEAD, Identity, KeyingMetrics, SessionIdentity
 from gateway.inbound import MAX_JSON_VALUES, BodyBudget, Charge, ClientGone, parse_object, read_body
 from gateway.proxy import Proxy
 from gateway.shapes.base import ApiShape, ThinkingUse
+from gateway.shapes.responses import check_response_id
 from routing.policies import Policy
 from routing.volatile import rules_for
 
@@ -104,6 +105,9 @@ class Endpoint:
         ctx.identity = identity
         if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
             ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400, here
+        elif shape.thinking is ThinkingUse.EFFORT and self.budgets is not None:
+            self.budgets.refuse(body)  # no token cap on this shape
+            ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, scope["headers"], model)
         return ctx
 
     def record(self, ctx: RequestContext) -> None:
@@ -157,6 +161,28 @@ class Passthrough(Endpoint):
             if "model" in body:
                 model = self.shape.validate(body)
         return self.make(scope, path, raw, None, model, path)
+
+
+class StoredResponse(Endpoint):
+    """``GET``/``DELETE /v1/responses/{id}``, ``POST .../{id}/cancel``, ``GET .../{id}/input_items``: to the
+    engine that owns the id (gateway/ownership.py), with the client's path, query and body as they are.
+
+    Mounted for every method: another method on these paths is a 405 here, never a forward elsewhere."""
+
+    def __init__(self, methods: frozenset[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.methods = methods
+
+    def context(self, scope: Scope, raw: bytes) -> RequestContext:
+        if scope["method"] not in self.methods:
+            raise MethodNotAllowed(
+                f"{scope['method']} is not allowed on {scope['path']}; use {', '.join(sorted(self.methods))}"
+            )
+        rid = check_response_id(scope.get("path_params", {}).get("response_id"), "response_id")
+        path = upstream_path(scope)
+        ctx = self.make(scope, path, raw, None, None, path)
+        ctx.owned_id = rid
+        return ctx
 
 
 def upstream_path(scope: Scope) -> str:

@@ -87,6 +87,31 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class ResponseNotFound(NotFound):
+    """A /v1/responses id this gateway never recorded, or whose record expired."""
+
+    code = "response_not_found"
+
+
+class ResponseOwnerGone(GatewayError):
+    """The engine holding a response's state is removed, down or draining: no other engine has it."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "response_owner_gone"
+
+
+class ResponseOwnerStarting(GatewayError):
+    """The engine holding a response's state is (re)starting: it may answer shortly, if its state survived."""
+
+    status = 503
+    code = "response_owner_starting"
+    retry_after = b"5"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", self.retry_after)]
+
+
 class MethodNotAllowed(GatewayError):
     status = 405
     type = "invalid_request_error"

@@ -126,7 +126,7 @@ class Relay:
         assert ctx.attempt is not None
         out = [f for m in self.factories if (f := m.body_filter(ctx, ctx.attempt, status, sse)) is not None]
         if self.tap:
-            ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn)
+            ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn, text=ctx.shape.reply)
             out.append(_Tap(ctx.tap))
         return tuple(out)
 

@@ -78,7 +78,10 @@ class RoutingFeedback:
     def plan(self, ctx: RequestContext) -> None:
         """Shape the request and, on turns >= 2 of a chat without a session id, extend the key it is routed
         under (``ctx.route_key``; the endpoint's ``ctx.key`` stays as it was)."""
-        messages = ctx.body.get("messages") if ctx.body is not None else None
+        messages = None
+        if ctx.body is not None:
+            read = ctx.shape.conversation  # a shape's own turns (None: chat's ``messages``)
+            messages = ctx.body.get("messages") if read is None else read(ctx.body)
         if not isinstance(messages, list):
             # /v1/completions (or a body we do not read): no replies to tell apart, so the pin is the
             # conversation's own; assume it holds all but the last quarter of the prompt.

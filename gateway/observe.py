@@ -81,6 +81,16 @@ class Observer(Protocol):
     def observe(self, obs: Observation) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyText:
+    """Where an API shape's answers keep the reply's text, for the tap (chat's is built in): in a stream,
+    the string after ``key`` in events that hold ``marker``; in a whole body, what ``body`` finds."""
+
+    marker: bytes
+    key: bytes
+    body: Callable[[Any], str | None]
+
+
 class ResponseTap:
     """Fed each relayed chunk; remembers a bounded tail and counts SSE events. O(chunk) in C per feed.
 
@@ -98,11 +108,13 @@ class ResponseTap:
         "_plain",
         "_seeking",
         "_tail",
+        "_text",
         "body_bytes",
         "events",
     )
 
-    def __init__(self, reply: bool = False) -> None:
+    def __init__(self, reply: bool = False, text: ReplyText | None = None) -> None:
+        self._text = text  # the shape's reply location (None: chat's ``content``/tool-call ``arguments``)
         self._tail = b""
         self.events = 0
         self.body_bytes = 0
@@ -145,6 +157,8 @@ class ResponseTap:
         if self._content or self._args:
             return (self._content or self._args)[:REPLY_CHARS]
         if self._plain and self._head:
+            if self._text is not None:
+                return _shaped_reply(self._head, self._text)
             return _plain_reply(self._head)
         return None
 
@@ -167,6 +181,14 @@ class ResponseTap:
 
     def _look_into(self, event: Event) -> None:
         raw = event.raw  # ``find``, not ``in`` (gateway/sse.py says why)
+        text = self._text
+        if text is not None:
+            if raw.find(text.marker) >= 0:
+                for line in event.lines():
+                    at = line.find(text.key)
+                    if at >= 0 and (found := _string_at(line[at + len(text.key) :])) is not None:
+                        self._content += found
+            return
         if raw.find(_CONTENT) >= 0 or raw.find(_ARGUMENTS) >= 0:
             for line in event.lines():
                 if line.find(_CONTENT) >= 0 or line.find(_ARGUMENTS) >= 0:
@@ -231,6 +253,16 @@ def _plain_reply(head: bytes) -> str | None:
             return None  # cut inside the string: unknown
         return text[:REPLY_CHARS] if isinstance(text, str) else None
     return reply_text(message) if isinstance(message, dict) else None
+
+
+def _shaped_reply(head: bytes, text: ReplyText) -> str | None:
+    """The reply text of a whole (possibly cut: then unknown) JSON body, where the shape finds it."""
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return None
+    found = text.body(doc)
+    return None if found is None else found[:REPLY_CHARS]
 
 
 def parse_usage(tail: bytes) -> Usage | None:

@@ -19,6 +19,9 @@ disagree without harm):
                               removed, plus ``"drained"``/``"cordoned"`` operator flags. No TTL.
 ``P admin:version``           integer, INCR'd with every write to the hash above (same MULTI); replicas
                               poll it and re-read the hash when it moved (gateway/admin/sync.py).
+``P resp:<response id>``      string, the backend id holding that /v1/responses id's state (its engine
+                              process's store); ``PX`` = ``routing.response_owner_ttl_s``. Written before
+                              the id reaches the client (gateway/ownership.py).
 ``P epoch``                   random token set by the first replica to find it missing. A change means
                               Redis lost its data (restart without persistence, FLUSHALL): replicas then
                               write their local pins back.
@@ -38,6 +41,9 @@ class RedisKeys:
 
     def pin(self, conversation: str) -> str:
         return f"{self.prefix}pin:{conversation}"
+
+    def response_owner(self, response_id: str) -> str:
+        return f"{self.prefix}resp:{response_id}"
 
     @property
     def conversations_prefix(self) -> str:

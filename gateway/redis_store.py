@@ -89,6 +89,7 @@ class RedisAffinityStore:
         self._restore = self._client.register_script(redis_scripts.RESTORE)
         self._forget = self._client.register_script(redis_scripts.FORGET)
         self._ttl_ms = max(1, int(routing.affinity_ttl_s * 1000))
+        self._owner_ttl_ms = max(1, int(routing.response_owner_ttl_s * 1000))
         self._max_pending = routing.affinity_max_entries
         self._backends = tuple(backends)
         self._in_flight = dict.fromkeys(self._backends, 0)
@@ -157,6 +158,31 @@ class RedisAffinityStore:
     def finished(self, backend: str) -> None:
         self._in_flight[backend] = self._in_flight.get(backend, 0) - 1
         self._seq += 1
+
+    async def own(self, response_id: str, backend: str) -> None:
+        """SET with the owner TTL, kept locally too; while degraded (or on a failure) local only: other
+        replicas then answer 404 for it, until its owner answers the client again after Redis is back."""
+        await self.local.own(response_id, backend)
+        if self._degraded:
+            return
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                await self._client.set(self.keys.response_owner(response_id), backend, px=self._owner_ttl_ms)
+        except _FAILURES as exc:
+            self._degrade(exc)
+
+    async def owner(self, response_id: str) -> str | None:
+        """From Redis, else (degraded, or not there) what this replica recorded itself."""
+        if not self._degraded:
+            try:
+                async with asyncio.timeout(self.cfg.timeout_s):
+                    found = await self._client.get(self.keys.response_owner(response_id))
+            except _FAILURES as exc:
+                self._degrade(exc)
+            else:
+                if found is not None:
+                    return found if isinstance(found, str) else bytes(found).decode()
+        return await self.local.owner(response_id)
 
     def status(self) -> dict[str, object]:
         return {

@@ -9,6 +9,8 @@ calls ``view`` once and ``commit`` at most once per attempt (a retry that moves 
 ``started``/``finished`` are plain functions called by the registry's leases: they change local counts,
 published with the store's next round trip or heartbeat. So a routed request costs at most two round trips
 (three on the retry path). A view is a snapshot: later changes to the store never show through it.
+``/v1/responses`` adds one each way (gateway/ownership.py): ``own`` once per stored answer, ``owner`` once
+per request naming a stored response (which then commits no pin).
 
 Each store announces the pins its commits claim or move on ``changes`` (``backends.changes``). The admin
 plane asks the port what it needs and never the concrete type: ``admin_channel`` (may runtime changes be
@@ -82,6 +84,17 @@ class AffinityStore(Protocol):
         """Shown by /readyz: at least {"backend": name, "degraded": bool}."""
         ...
 
+    # -- /v1/responses ids: which engine holds each one's state (gateway/ownership.py) --------------
+
+    async def own(self, response_id: str, backend: str) -> None:
+        """Record ``backend`` as the owner of ``response_id`` for ``routing.response_owner_ttl_s``; visible
+        to every replica sharing the store once this returns. One round trip; never raises."""
+        ...
+
+    async def owner(self, response_id: str) -> str | None:
+        """The backend that owns ``response_id``, or None (never recorded, expired). One round trip."""
+        ...
+
     async def aclose(self) -> None: ...
 
     # -- the admin plane (never on the request path) ----------------------------------------------
@@ -115,6 +128,8 @@ class MemoryAffinityStore:
         changes: Changes | None = None,
     ) -> None:
         self.table = AffinityTable(cfg.affinity_ttl_s, cfg.affinity_max_entries)
+        #: /v1/responses id -> the backend holding its state (no pin: never counted as a conversation).
+        self.owners = AffinityTable(cfg.response_owner_ttl_s, cfg.affinity_max_entries)
         self.clock = clock
         self.changes = changes if changes is not None else Changes()
 
@@ -144,6 +159,12 @@ class MemoryAffinityStore:
 
     def finished(self, backend: str) -> None:
         return None
+
+    async def own(self, response_id: str, backend: str) -> None:
+        self.owners.move(response_id, backend, self.clock())
+
+    async def owner(self, response_id: str) -> str | None:
+        return self.owners.get(response_id, self.clock())
 
     def status(self) -> dict[str, object]:
         return {"backend": "memory", "degraded": False, "entries": len(self.table)}

@@ -53,6 +53,53 @@ def chat_key(body: Mapping[str, Any], volatile: VolatileRules = NO_RULES) -> str
     return _digest(fields)
 
 
+def responses_key(body: Mapping[str, Any]) -> str:
+    """Key of a Responses body (``POST /v1/responses``), validated: model, tools, ``instructions`` and the
+    input items up to the first user item. A string ``input`` is one user message."""
+    fields = [b"responses", str(body["model"]).encode()]
+    tools = body.get("tools")
+    if tools:
+        fields.append(json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        fields.append(b"s" + instructions.encode())
+    items = body["input"]
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    for item in head_items(items):
+        role = item.get("role")
+        if role is None:  # not a message (a function call, its output, a reasoning item): as JSON
+            fields.append(b"j" + json.dumps(item, sort_keys=True).encode())
+            continue
+        fields.append(str(role).encode())
+        fields.extend(canonical_parts(_as_text_parts(item.get("content"))))
+    return _digest(fields)
+
+
+def head_items(items: list[Any]) -> list[Mapping[str, Any]]:
+    """A Responses input's leading items through its first user message."""
+    return head_messages(items)
+
+
+def _as_text_parts(content: Any) -> Any:
+    """Responses' parts as chat's: ``input_text``/``output_text`` as ``text`` (a plain string hashes as one
+    of them), ``input_image`` as ``image_url`` (inline data hashed, not kept)."""
+    if not isinstance(content, list):
+        return content
+    return [_as_chat_part(p) for p in content]
+
+
+def _as_chat_part(part: Any) -> Any:
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text", "")}
+    if kind == "input_image" and isinstance(part.get("image_url"), str):
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+    return part
+
+
 def completion_key(model: str, prompt: Any, chars: int) -> str:
     """Key of a completions body: the prompt's leading ``chars`` characters (or ``chars // 4`` token ids).
 

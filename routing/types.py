@@ -34,6 +34,7 @@ class Reason(StrEnum):
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     RETRY_NEXT = "retry_next"
+    RESPONSE_OWNER = "response_owner"  # /v1/responses: the engine holding the state a request names
     NO_BACKEND = "no_backend"
 
 

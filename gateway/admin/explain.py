@@ -15,12 +15,15 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from starlette.types import Message
+
 from backends.registry import Registry
 from gateway.admin.body import Unprocessable, finite
 from gateway.admin.models import CandidateView, CostView, ExplainRequest, Explanation
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest
+from gateway.ownership import ResponseOwnership
 from gateway.state import AffinityStore
 from routing.policies import Policy
 from routing.types import Candidate, Cost, Decision, RouteRequest
@@ -56,7 +59,12 @@ class Explainer:
         key, model = (req.key, req.model) if ctx is None else (ctx.key, ctx.model)
         assert key is not None
         policy: Policy = endpoint.policy
-        feedback = self.feedback if ctx is not None else None
+        if ctx is not None:
+            # A body naming stored state (previous_response_id) goes to its owner only; an unknown id or
+            # a gone owner is answered with the error the real request would get.
+            await ResponseOwnership(self.store, self.registry).enter(ctx, _unsent)
+            policy = ctx.policy
+        feedback = self.feedback if ctx is not None and ctx.owned_id is None else None
         if feedback is not None and ctx is not None:
             feedback.plan(ctx)  # as the proxy does before routing: the key may grow a reply hash
             key = ctx.affinity_key
@@ -68,6 +76,8 @@ class Explainer:
             decision = feedback.explain(ctx, view.pinned, view.in_flight, policy)
         else:
             candidates = self.registry.candidates(model, view.conversations, view.in_flight, now)
+            if ctx is not None and ctx.ineligible:
+                candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
             decision = policy.select(candidates, RouteRequest(key, view.pinned), now)
         return Explanation(
             key=key,
@@ -97,6 +107,10 @@ class Explainer:
         ]
         scope: dict[str, Any] = {"type": "http", "method": "POST", "path": req.path, "headers": headers}
         return endpoint.context(scope, raw)  # BadRequest for what the endpoint would refuse
+
+
+async def _unsent(_message: Message) -> None:
+    """The dry run's ``send``: nothing is answered to anyone."""
 
 
 def _cost(c: Cost) -> CostView:

@@ -19,7 +19,7 @@ from typing import Any
 
 from config.settings import ReasoningFields, RoutingConfig
 from gateway.errors import GatewayError
-from gateway.observe import Usage, parse_usage
+from gateway.observe import ReplyText, Usage, parse_usage
 
 #: The body's model, or a ``BadRequest`` in the route's own error shape: checks only the fields the
 #: gateway reads itself (everything else is forwarded as the client's bytes).
@@ -29,6 +29,9 @@ Validate = Callable[[dict[str, Any]], str]
 ConversationKey = Callable[[dict[str, Any], str, RoutingConfig], str]
 #: The answer's usage from the last bytes of its body or stream (None: not reported).
 UsageReader = Callable[[bytes], Usage | None]
+#: The request's conversation as chat messages (``role``, ``content``, ``tool_calls``), for the routing
+#: feedback's reading of its turns (gateway/learning.py); None: no turns to read from this body.
+Conversation = Callable[[dict[str, Any]], list[Any] | None]
 #: Rewrite one parsed response document (a stream chunk when ``streamed``, else the whole body) in place so
 #: its reasoning text is in the configured fields; raise ``ValueError``/``LookupError``/``TypeError`` when the
 #: document is not of the shape expected (it then goes on as the engine's own bytes).
@@ -41,6 +44,10 @@ class ThinkingUse(StrEnum):
     RESOLVE = "resolve"  # read and validated (a bad value is a 400), then spelled per dialect
     REFUSE = "refuse"  # a budget field is refused with a 400: the shape has no reasoning to cap
     IGNORE = "ignore"  # not looked at (bodies the gateway does not own)
+    #: An effort only, at the shape's ``effort_path``: validated, then spelled per dialect; no token cap (the
+    #: shape's engines read none and the gateway's two-phase cap continues a chat message), so a
+    #: ``thinking_budget`` is refused with a 400.
+    EFFORT = "effort"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +87,10 @@ class ApiShape:
     text_key: bytes = b'"content":'
     reasoning: ReasoningRewrite | None = None  # None: its answers carry no reasoning to rewrite
     thinking: ThinkingUse = ThinkingUse.IGNORE
+    #: Where its requests keep a reasoning effort (``ThinkingUse.EFFORT``): keys from the top-level object.
+    effort_path: tuple[str, ...] = ()
+    #: Its turns as chat messages (None: the body's ``messages``, as chat's).
+    conversation: Conversation | None = None
+    #: Where its answers keep the reply's text (None: chat's ``content``, or a tool call's ``arguments``).
+    reply: ReplyText | None = None
     vision: bool = False  # its requests may hold ``image_url`` parts in ``messages`` (gateway/vision.py)

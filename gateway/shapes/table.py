@@ -11,7 +11,17 @@ from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse
 from gateway.shapes.chat import CHAT
 from gateway.shapes.completions import COMPLETIONS
 from gateway.shapes.passthrough import PASSTHROUGH
+from gateway.shapes.responses import RESPONSES
 
-SHAPES: tuple[ApiShape, ...] = (CHAT, COMPLETIONS)
+SHAPES: tuple[ApiShape, ...] = (CHAT, COMPLETIONS, RESPONSES)
 
-__all__ = ["CHAT", "COMPLETIONS", "PASSTHROUGH", "SHAPES", "ApiShape", "ErrorShape", "ThinkingUse"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "PASSTHROUGH",
+    "RESPONSES",
+    "SHAPES",
+    "ApiShape",
+    "ErrorShape",
+    "ThinkingUse",
+]

@@ -93,6 +93,6 @@ def test_passthrough_keeps_percent_encoding_and_query(cluster: ClusterFactory) -
 def test_passthrough_body_is_forwarded_untouched(cluster: ClusterFactory) -> None:
     c = cluster(["a"], modules=(TagBackend(),))  # prepare steps shape only the endpoints that own their body
     raw = b'{"model": "m", "input": ["x"]}'
-    r = httpx.post(c.url + "/v1/responses", content=raw)
+    r = httpx.post(c.url + "/v1/audio/speech", content=raw)
     assert r.json()["body"] == raw.decode()
     assert c.engines["a"].raw == [raw]

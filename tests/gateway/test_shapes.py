@@ -21,7 +21,7 @@ from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError
 from gateway.observe import Usage
 from gateway.shapes.base import ApiShape, ErrorShape
-from gateway.shapes.table import PASSTHROUGH, SHAPES
+from gateway.shapes.table import PASSTHROUGH, RESPONSES, SHAPES
 
 from clusters import ClusterFactory
 from upstreams import FakeEngine
@@ -116,11 +116,14 @@ def test_every_shape_is_mounted_and_nothing_else_under_v1_but_the_catalogue_and_
             assert isinstance(endpoint, Endpoint)
             assert endpoint.shape.path == path.rstrip("/")  # each endpoint holds its own shape
         v1 = [r for r in hot.app.routes if isinstance(r, Route) and r.path.startswith("/v1")]
-        assert [r.path for r in v1] == [*paths, "/v1/models", "/v1/models/{model:path}", "/v1/{rest:path}"]
+        stored = [f"/v1/responses/{{response_id}}{tail}" for tail in ("", "/cancel", "/input_items")]
+        stored = stored if RESPONSES in shapes else []  # a stored response's routes, to its owner
+        catalogue = ["/v1/models", "/v1/models/{model:path}", "/v1/{rest:path}"]
+        assert [r.path for r in v1] == [*paths, *stored, *catalogue]
         assert [r.endpoint for r in v1[: len(paths)]] == [hot.routes["POST", p] for p in paths]
         fallback = v1[-1].endpoint
         assert isinstance(fallback, Endpoint) and fallback.shape is PASSTHROUGH
-    assert [s.name for s in SHAPES] == ["chat", "completions"]
+    assert [s.name for s in SHAPES] == ["chat", "completions", "responses"]
 
 
 def test_without_a_shape_its_path_is_passed_through(cluster: ClusterFactory) -> None:
