@@ -41,8 +41,10 @@ from gateway.inbound import BodyBudget
 from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics, OnDemandMetrics
 from gateway.proxy import Proxy
+from gateway.quotas import LocalQuotas, Quotas
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
+from gateway.redis_quotas import RedisQuotas
 from gateway.redis_store import RedisAffinityStore
 from gateway.shapes.base import ApiShape
 from gateway.shapes.table import PASSTHROUGH, SHAPES
@@ -115,6 +117,8 @@ class Gateway:
         if settings.admission.enabled:
             metrics = self.metrics.admitting(list(settings.admission.classes))
             self.admission = AdmissionControl(settings.admission, metrics)
+        # Quotas per client key (gateway/quotas.py): only when a key has one; shared through Redis if set.
+        self.quotas = make_quotas(settings, self.store, self.metrics)
         self.sidecar, vision = self._vision(settings)
         # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
         self.feedback: RoutingFeedback | None = None
@@ -144,6 +148,9 @@ class Gateway:
         guard = settings.guard
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
+            *(
+                [self.quotas] if self.quotas is not None else []
+            ),  # first: over quota wakes and waits for nothing
             *([self.waiting] if self.waiting is not None else []),
             *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
             *vision,
@@ -224,7 +231,9 @@ class Gateway:
             if self.signals is not None:
                 await self.signals.aclose()
             await asyncio.gather(self.fleet.aclose(), *([self.sidecar.aclose()] if self.sidecar else []))
-            # 7. Close upstream connections and the state store.
+            # 7. Close upstream connections and the state store (quota finishes still being sent, first).
+            if self.quotas is not None and isinstance(self.quotas.store, RedisQuotas):
+                await self.quotas.store.drained()
             await self.transport.aclose()
             await self.client.aclose()
             await self.store.aclose()
@@ -256,6 +265,17 @@ def routing_params(cfg: RoutingConfig) -> RoutingParams:
         stay_margin=cfg.stay_margin,
         speed_half_life_s=cfg.speed_half_life_s,
     )
+
+
+def make_quotas(settings: Settings, store: AffinityStore, metrics: Metrics) -> Quotas | None:
+    """Quotas when a key has one: in this process, or in Redis beside the affinity store (its pool, and
+    its replica id, whose lease tells whether a replica's in-flight requests still count)."""
+    if not settings.quotas.keys:
+        return None
+    quotas = Quotas(settings.quotas, LocalQuotas(), metrics.quotas())
+    if isinstance(store, RedisAffinityStore):
+        quotas.store = RedisQuotas(store.client, store.keys, store.replica, quotas.unavailable)
+    return quotas
 
 
 def make_store(settings: Settings, changes: Changes | None = None) -> AffinityStore:
@@ -349,6 +369,7 @@ def create_app(
             endpoints=served,
             feedback=gw.feedback,
             admission=gw.admission,
+            quotas=gw.quotas,
         )
     )
     status = StatusPage(gw.registry, gw.fleet, gw.store, gw.metrics, settings.routing.spill_min_in_flight)

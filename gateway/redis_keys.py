@@ -19,6 +19,11 @@ disagree without harm):
                               removed, plus ``"drained"``/``"cordoned"`` operator flags. No TTL.
 ``P admin:version``           integer, INCR'd with every write to the hash above (same MULTI); replicas
                               poll it and re-read the hash when it moved (gateway/admin/sync.py).
+``P quota:<name>``            hash: a client key's quota window: ``r`` requests admitted, ``t`` tokens;
+                              ``PEXPIRE`` = ``quotas.window_s``, set when the window opens (its first
+                              request, or a charge after it closed): the key's expiry is the window's end.
+``P quota-flight:<name>``     hash: replica id -> the key's requests in flight there. Counted only for
+                              replicas in ``P replicas`` with a live lease, so a crashed replica's vanish.
 ``P epoch``                   random token set by the first replica to find it missing. A change means
                               Redis lost its data (restart without persistence, FLUSHALL): replicas then
                               write their local pins back.
@@ -68,3 +73,9 @@ class RedisKeys:
     @property
     def admin_version(self) -> str:
         return f"{self.prefix}admin:version"
+
+    def quota(self, client: str) -> str:
+        return f"{self.prefix}quota:{client}"
+
+    def quota_in_flight(self, client: str) -> str:
+        return f"{self.prefix}quota-flight:{client}"

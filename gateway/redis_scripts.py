@@ -123,3 +123,62 @@ if cur then
 end
 return cur
 """
+
+
+#: Quotas per client key (gateway/redis_quotas.py; the rules of gateway/quota_windows.py).
+#: KEYS[1] the key's window hash (fields r: requests, t: tokens; PEXPIRE = window, set when it opens),
+#: KEYS[2] its in-flight hash (replica id -> requests), KEYS[3] replicas zset (lease expiry per replica).
+#: ARGV[1] this replica, ARGV[2] window (ms), ARGV[3..5] requests / tokens / concurrent limits (0: none),
+#: ARGV[6] '1' to count the request admitted (a read of the state: '0').
+#: Returns {refused: 0 none, 1 requests, 2 tokens, 3 concurrent; requests; tokens; ms to reset; in flight}.
+#: In-flight counts of replicas whose lease ran out (they crashed) are dropped, so they free their share.
+QUOTA_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local win = tonumber(ARGV[2])
+local rpm, tpm, conc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local r = tonumber(redis.call('HGET', KEYS[1], 'r') or '0')
+local tk = tonumber(redis.call('HGET', KEYS[1], 't') or '0')
+local ttl = redis.call('PTTL', KEYS[1])
+local flying = 0
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  local replica, n = held[i], tonumber(held[i + 1])
+  local lease = redis.call('ZSCORE', KEYS[3], replica)
+  if replica == ARGV[1] or (lease and tonumber(lease) > now) then
+    flying = flying + n
+  else
+    redis.call('HDEL', KEYS[2], replica)
+  end
+end
+local refused = 0
+if rpm > 0 and r >= rpm then refused = 1
+elseif tpm > 0 and tk >= tpm then refused = 2
+elseif conc > 0 and flying >= conc then refused = 3 end
+if refused == 0 and ARGV[6] == '1' then
+  r = redis.call('HINCRBY', KEYS[1], 'r', 1)
+  if ttl < 0 then
+    redis.call('PEXPIRE', KEYS[1], win)
+    ttl = win
+  end
+  flying = flying + 1
+  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[2], 86400000)
+end
+if ttl < 0 then ttl = win end
+return {refused, r, tk, ttl, flying}
+"""
+
+#: An admitted request ended. KEYS[1] window hash, KEYS[2] in-flight hash; ARGV[1] this replica,
+#: ARGV[2] window (ms), ARGV[3] its tokens, charged to the window open now (one opens if none is).
+QUOTA_FINISH = """
+local n = redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+if n <= 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+local tokens = tonumber(ARGV[3])
+if tokens > 0 then
+  local ttl = redis.call('PTTL', KEYS[1])
+  redis.call('HINCRBY', KEYS[1], 't', tokens)
+  if ttl < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+end
+return n
+"""
