@@ -84,7 +84,7 @@ def judge(limits: Limits, requests: int, tokens: int, in_flight: int) -> Exhaust
 def reset_text(seconds: float) -> str:
     """A duration as OpenAI's reset headers write it (Go's duration format): ``20ms``, ``1s``, ``1.5s``,
     ``6m0s``, ``1h2m3s``."""
-    ms = max(0, math.ceil(seconds * 1000))
+    ms = max(0, math.ceil(round(seconds * 1000, 6)))  # round first: 0.02 s is 20 ms, not 21
     if ms < 1000:
         return f"{ms}ms"
     hours, rest = divmod(ms, 3_600_000)

@@ -163,9 +163,7 @@ class Quotas:
         self.metrics.store_failures += 1
         count = self._quiet.due(time.monotonic())
         if count:
-            log.warning(
-                "quotas: shared state unavailable (%s); admitting without quota (%d times)", why, count
-            )
+            log.warning("quotas: shared state unavailable (%s); admitted unchecked (%d times)", why, count)
 
     async def status(self) -> dict[str, Any]:
         """Per key: its limits, its window now (read-only) and its counts (the admin API)."""
