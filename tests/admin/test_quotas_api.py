@@ -20,7 +20,9 @@ def test_quotas_off_by_default_are_not_in_the_request_path(cluster: ClusterFacto
     assert httpx.get(c.url + "/admin/quotas").json() == {"enabled": False, "window_s": None, "keys": {}}
 
 
-def test_a_keys_window_and_counts_are_on_the_admin_api_metrics_and_status_page(cluster: ClusterFactory) -> None:
+def test_a_keys_window_and_counts_are_on_the_admin_api_metrics_and_status_page(
+    cluster: ClusterFactory,
+) -> None:
     c = cluster(["a"], auth=KEYS, quotas={"keys": {"alice": {"requests_per_window": 2, "concurrent": 4}}})
     assert c.gateway.proxy.phases.admission == (c.gateway.quotas,)
     codes = [chat(c.url, f"conv-{i}", headers=ALICE).status_code for i in range(3)]
