@@ -26,7 +26,7 @@ from backends.fleet import Fleet
 from backends.health import HealthChecker
 from backends.managed import BackendController
 from backends.registry import Registry
-from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
+from config.settings import BackendConfig, ConfigError, RoutingConfig, Settings, VisionMode
 from gateway.admin import Admin
 from gateway.admin.ports import AdminPorts
 from gateway.admission import AdmissionControl
@@ -417,7 +417,11 @@ def create_app(
     app.state.gateway = gw
     hot: dict[tuple[str, str], ASGIApp] = {("POST", path): ep for path, ep in shape_paths(served)}
     log_admin_access(access)
-    clients = ClientKeys(settings.auth.keys())
+    names = settings.auth.keys()
+    unknown = sorted(set(settings.quotas.keys) - set(names.values()))
+    if unknown:  # a typo would leave that key without its quota, silently
+        raise ConfigError(f"quotas.keys: {', '.join(unknown)}: no client key of that name (auth.client_keys)")
+    clients = ClientKeys(names)
     return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
 
 

@@ -4,6 +4,10 @@ create_app (memory state)."""
 from __future__ import annotations
 
 import httpx
+import pytest
+
+from config.settings import ConfigError, load_settings
+from gateway.app import create_app
 
 from admin_helpers import chat, metric_lines
 from clusters import ClusterFactory
@@ -49,3 +53,14 @@ def test_a_keys_window_and_counts_are_on_the_admin_api_metrics_and_status_page(
     page = httpx.get(c.url + "/admin/status").text
     assert "<h2>Quotas</h2>" in page and "<tr><td>alice</td><td>2</td><td>1</td><td>0</td></tr>" in page
     assert c.in_flight() == 0
+
+
+def test_a_quota_for_a_key_name_nobody_has_refuses_to_start() -> None:
+    settings = load_settings(
+        None,
+        backends=[{"id": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
+        auth=KEYS,
+        quotas={"keys": {"alcie": {"requests_per_window": 1}}},
+    )
+    with pytest.raises(ConfigError, match=r"quotas.keys: alcie: no client key of that name"):
+        create_app(settings)
