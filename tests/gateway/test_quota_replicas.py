@@ -4,6 +4,7 @@ trips (one before routing, one after the answer; none for a key without a quota)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -161,3 +162,30 @@ def test_a_key_with_a_quota_costs_two_round_trips_and_one_without_none(pair: Cal
         with_quota = (counting.sent - before) / 5
     # bob's requests pay the affinity store's round trips only: the baseline alice pays on top of.
     assert with_quota - without == 2, (with_quota, without)
+
+
+@pytest.mark.anyio
+async def test_requests_racing_on_both_replicas_are_admitted_exactly_n_times(
+    pair: Callable[..., Pair],
+) -> None:
+    p = pair({"alice": {"requests_per_window": 6}})
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"authorization": "Bearer k-alice"}
+    async with httpx.AsyncClient(timeout=10) as client:
+        answers = await asyncio.gather(
+            *(
+                client.post(p.urls[i % 2] + "/v1/chat/completions", json=body, headers=headers)
+                for i in range(16)
+            )
+        )
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200] * 6 + [429] * 10
+    assert len(p.engine.requests) == 6
+    assert sorted(r.headers["x-ratelimit-remaining-requests"] for r in answers if r.status_code == 200) == [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+    ]
