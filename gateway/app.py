@@ -274,7 +274,10 @@ def make_quotas(settings: Settings, store: AffinityStore, metrics: Metrics) -> Q
         return None
     quotas = Quotas(settings.quotas, LocalQuotas(), metrics.quotas())
     if isinstance(store, RedisAffinityStore):
-        quotas.store = RedisQuotas(store.client, store.keys, store.replica, quotas.unavailable)
+        shared = store
+        quotas.store = RedisQuotas(
+            shared.client, shared.keys, shared.replica, quotas.unavailable, lambda: shared.degraded
+        )
     return quotas
 
 

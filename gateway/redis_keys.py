@@ -22,7 +22,8 @@ disagree without harm):
 ``P quota:<name>``            hash: a client key's quota window: ``r`` requests admitted, ``t`` tokens;
                               ``PEXPIRE`` = ``quotas.window_s``, set when the window opens (its first
                               request, or a charge after it closed): the key's expiry is the window's end.
-``P quota-flight:<name>``     hash: replica id -> the key's requests in flight there. Counted only for
+``P quota-flight:<name>``     hash: replica id -> ``count:seq``, the key's requests in flight there as that
+                              replica counts them (written over, only by a newer seq). Counted only for
                               replicas in ``P replicas`` with a live lease, so a crashed replica's vanish.
 ``P epoch``                   random token set by the first replica to find it missing. A change means
                               Redis lost its data (restart without persistence, FLUSHALL): replicas then

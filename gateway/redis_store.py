@@ -158,6 +158,11 @@ class RedisAffinityStore:
         self._in_flight[backend] = self._in_flight.get(backend, 0) - 1
         self._seq += 1
 
+    @property
+    def degraded(self) -> bool:
+        """Redis failed a round trip and has not answered since (routing is local meanwhile)."""
+        return self._degraded
+
     def status(self) -> dict[str, object]:
         return {
             "backend": "redis",

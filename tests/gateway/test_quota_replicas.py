@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,10 +16,15 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from redis.asyncio import Redis
 
 from config.settings import load_settings
+from gateway import redis_scripts
 from gateway.app import Gateway, create_app
+from gateway.quota_windows import Exhausted, Limits
 from gateway.redis_keys import RedisKeys
+from gateway.redis_quotas import QuotaUnavailable, RedisQuotas
+from gateway.redis_scripts import QUOTA_ADMIT, QUOTA_FINISH
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from tools.redis_server import CountingConnection, RedisServer
 
@@ -28,6 +34,7 @@ KEYS = [{"name": "alice", "key": "k-alice"}, {"name": "bob", "key": "k-bob"}]
 FAST_HEALTH = {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1}
 QUIET = {"heartbeat_s": 60, "lease_ttl_s": 120}  # no heartbeat while round trips are counted
 HOUR = 3600
+QUOTA_SCRIPTS = (QUOTA_ADMIT, QUOTA_FINISH)
 
 
 @dataclass
@@ -75,6 +82,11 @@ def chat(url: str, key: str, client: httpx.Client | None = None, stream: bool = 
     return (client or httpx).post(url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
 
 
+def flying(p: Pair, key: str) -> int:
+    """The key's requests in flight over every replica, as Redis holds them (``count:seq`` per replica)."""
+    return sum(int(v.split(":")[0]) for v in p.redis.hvals(p.keys.quota_in_flight(key)))
+
+
 def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     """For state another thread's event loop writes (the gateway's background finish): polled."""
     deadline = time.monotonic() + timeout
@@ -98,7 +110,7 @@ def test_the_request_past_n_per_window_is_refused_on_either_replica(pair: Callab
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert len(p.engine.requests) == 5
     assert chat(p.urls[1], "k-bob").status_code == 200  # another key, no quota
-    until(lambda: p.redis.hlen(p.keys.quota_in_flight("alice")) == 0)
+    until(lambda: flying(p, "alice") == 0)
     admin = httpx.get(p.urls[0] + "/admin/quotas", timeout=10).json()
     alice = admin["keys"]["alice"]
     assert (admin["enabled"], alice["requests"], alice["in_flight"], alice["requests_per_window"]) == (
@@ -135,12 +147,27 @@ def test_a_request_in_flight_on_one_replica_counts_on_the_other(pair: Callable[.
             assert refused.json()["error"]["type"] == "concurrent"
             p.engine.gate.set()
             assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
-    until(lambda: p.redis.hlen(p.keys.quota_in_flight("alice")) == 0)
+    until(lambda: flying(p, "alice") == 0)
     assert chat(p.urls[1], "k-alice").status_code == 200
 
 
+SHAS = {hashlib.sha1(script.encode()).hexdigest().encode() for script in QUOTA_SCRIPTS}
+
+
+class QuotaCounting(CountingConnection):
+    """Counts, besides every round trip, those that call a quota script (by its SHA)."""
+
+    quota = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        data = b"".join(command) if isinstance(command, list) else bytes(command)
+        if any(sha in data for sha in SHAS):
+            type(self).quota += 1
+        await super().send_packed_command(command, check_health)
+
+
 def test_a_key_with_a_quota_costs_two_round_trips_and_one_without_none(pair: Callable[..., Pair]) -> None:
-    counting = CountingConnection.fresh()
+    counting = type("Counting", (QuotaCounting,), {"sent": 0, "quota": 0})
 
     def store(settings: Any) -> RedisAffinityStore:
         pool = redis_pool(settings.redis, connection_class=counting)
@@ -149,19 +176,15 @@ def test_a_key_with_a_quota_costs_two_round_trips_and_one_without_none(pair: Cal
     p = pair({"alice": {"requests_per_window": 100}}, count=1, store=store, **QUIET)
     with httpx.Client(timeout=10) as client:
         chat(p.urls[0], "k-alice", client)  # connection handshake and script loading: one-off costs
-        chat(p.urls[0], "k-bob", client)
-        until(lambda: p.redis.hlen(p.keys.quota_in_flight("alice")) == 0)
-        before = counting.sent
+        until(lambda: flying(p, "alice") == 0)
+        before = counting.quota
         for _ in range(5):
             assert chat(p.urls[0], "k-bob", client).status_code == 200
-        without = (counting.sent - before) / 5
-        before = counting.sent
+        assert counting.quota == before  # no quota, no round trip
         for _ in range(5):
             assert chat(p.urls[0], "k-alice", client).status_code == 200
-        until(lambda: p.redis.hlen(p.keys.quota_in_flight("alice")) == 0)
-        with_quota = (counting.sent - before) / 5
-    # bob's requests pay the affinity store's round trips only: the baseline alice pays on top of.
-    assert with_quota - without == 2, (with_quota, without)
+        until(lambda: flying(p, "alice") == 0)
+    assert counting.quota - before == 10  # one admission and one finish each
 
 
 @pytest.mark.anyio
@@ -189,3 +212,35 @@ async def test_requests_racing_on_both_replicas_are_admitted_exactly_n_times(
         "4",
         "5",
     ]
+
+
+@pytest.mark.anyio
+async def test_a_replica_publishes_its_own_count_newest_first_and_skips_redis_when_degraded(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    client = Redis.from_url(redis_server.url, decode_responses=True)
+    keys, failures = RedisKeys(redis_prefix), []
+    down = False
+    q = RedisQuotas(client, keys, "r1", failures.append, lambda: down)
+    limits = Limits(concurrent=2)
+    assert [(await q.admit("alice", limits)).refused for _ in range(3)] == [None, None, Exhausted.CONCURRENT]
+    assert await client.hgetall(keys.quota_in_flight("alice")) == {"r1": "2:3"}  # the refusal published too
+    q.finish("alice", limits, 5)
+    await q.drained()
+    assert await client.hget(keys.quota_in_flight("alice"), "r1") == "1:4"
+    finish = client.register_script(redis_scripts.QUOTA_FINISH)
+    stale = [keys.quota("alice"), keys.quota_in_flight("alice")]
+    await finish(keys=stale, args=["r1", 60_000, 0, 0, 1])  # an older call arriving late
+    assert await client.hget(keys.quota_in_flight("alice"), "r1") == "1:4"
+    assert q.in_flight == {"alice": 1}
+    down = True
+    with pytest.raises(QuotaUnavailable, match="degraded"):
+        await q.admit("alice", limits)
+    assert q.in_flight == {"alice": 1}
+    q.finish("alice", limits, 7)  # lost: not sent while degraded; the next call publishes the count
+    assert failures == ["shared state degraded; tokens not charged"]
+    down = False
+    assert (await q.admit("alice", limits)).in_flight == 1
+    assert await client.hget(keys.quota_in_flight("alice"), "r1") == "1:5"
+    assert await client.hget(keys.quota("alice"), "t") == "5"
+    await client.aclose()
