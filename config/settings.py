@@ -305,6 +305,32 @@ class AdmissionConfig(_Section):
         return self
 
 
+class KeyQuota(_Section):
+    """One client key's quota: each limit unset is no limit. A window opens with the key's first request
+    after the last one closed and lasts ``quotas.window_s``."""
+
+    requests_per_window: int | None = Field(
+        default=None, ge=1, description="Requests admitted per window (RPM with the default window)"
+    )
+    tokens_per_window: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prompt + completion tokens per window (TPM), charged from usage once answered; a "
+        "request is admitted while the window has tokens left",
+    )
+    concurrent: int | None = Field(default=None, ge=1, description="Requests in flight at once")
+
+
+class QuotasConfig(_Section):
+    """Quotas per client key (auth.client_keys names): over one -> 429 with Retry-After and x-ratelimit-*
+    headers. Shared through Redis when ``redis.url`` is set; in this process's memory otherwise."""
+
+    keys: dict[str, KeyQuota] = Field(
+        default_factory=dict, description="Client key name -> its quota; a key not listed has none"
+    )
+    window_s: float = Field(default=60.0, gt=0, description="Length of a quota window (60: per minute)")
+
+
 class BreakerConfig(_Section):
     """Circuit breaker per backend, fed by connect errors, 5xx and timeouts on real traffic (a 5xx is judged
     with the request's other attempt first: gateway/blame.py)."""
@@ -910,6 +936,7 @@ class Settings(BaseSettings):
     groups: dict[str, GroupConfig] = Field(default_factory=dict, description="Exclusive on-demand groups")
     on_demand: OnDemandConfig = OnDemandConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    quotas: QuotasConfig = QuotasConfig()
     sidecar: SidecarConfig | None = Field(default=None, description="Vision sidecar for embeds backends")
 
     @model_validator(mode="after")

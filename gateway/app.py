@@ -28,7 +28,7 @@ from backends.health import HealthChecker
 from backends.kv_events import KvEventSubscriber, KvEventsUnavailable, require_kv_extra
 from backends.managed import BackendController
 from backends.registry import Registry
-from config.settings import BackendConfig, RoutingConfig, Settings, VisionMode
+from config.settings import BackendConfig, ConfigError, RoutingConfig, Settings, VisionMode
 from gateway.admin import Admin
 from gateway.admin.ports import AdminPorts
 from gateway.admission import AdmissionControl
@@ -45,8 +45,10 @@ from gateway.learning import RoutingFeedback
 from gateway.metrics import KvEventsMetrics, Metrics, OnDemandMetrics
 from gateway.ownership import OWNER_POLICY, ResponseOwnership
 from gateway.proxy import Proxy
+from gateway.quotas import LocalQuotas, Quotas
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
+from gateway.redis_quotas import RedisQuotas
 from gateway.redis_store import RedisAffinityStore
 from gateway.shapes.base import ApiShape
 from gateway.shapes.table import PASSTHROUGH, RESPONSES, SHAPES
@@ -122,6 +124,8 @@ class Gateway:
         if settings.admission.enabled:
             metrics = self.metrics.admitting(list(settings.admission.classes))
             self.admission = AdmissionControl(settings.admission, metrics)
+        # Quotas per client key (gateway/quotas.py): only when a key has one; shared through Redis if set.
+        self.quotas = make_quotas(settings, self.store, self.metrics)
         self.sidecar, vision = self._vision(settings)
         # Routing v2 (policy "ttft"): its inputs and learning (gateway/learning.py), engine /metrics signals.
         self.feedback: RoutingFeedback | None = None
@@ -153,6 +157,7 @@ class Gateway:
         volatile = rules_for(settings.routing.volatile_prefixes)
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
+            *([self.quotas] if self.quotas is not None else []),  # first: over quota wakes and waits for nothing
             ResponseOwnership(self.store, self.registry),  # before the waiting room: an unknown id waits not
             *([self.waiting] if self.waiting is not None else []),
             *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
@@ -263,7 +268,9 @@ class Gateway:
                 await self.signals.aclose()
             await asyncio.gather(*(sub.aclose() for sub in self.kv_subscribers))
             await asyncio.gather(self.fleet.aclose(), *([self.sidecar.aclose()] if self.sidecar else []))
-            # 7. Close upstream connections and the state store.
+            # 7. Close upstream connections and the state store (quota finishes still being sent, first).
+            if self.quotas is not None and isinstance(self.quotas.store, RedisQuotas):
+                await self.quotas.store.drained()
             await self.transport.aclose()
             await self.client.aclose()
             await self.store.aclose()
@@ -295,6 +302,20 @@ def routing_params(cfg: RoutingConfig) -> RoutingParams:
         stay_margin=cfg.stay_margin,
         speed_half_life_s=cfg.speed_half_life_s,
     )
+
+
+def make_quotas(settings: Settings, store: AffinityStore, metrics: Metrics) -> Quotas | None:
+    """Quotas when a key has one: in this process, or in Redis beside the affinity store (its pool, and
+    its replica id, whose lease tells whether a replica's in-flight requests still count)."""
+    if not settings.quotas.keys:
+        return None
+    quotas = Quotas(settings.quotas, LocalQuotas(), metrics.quotas())
+    if isinstance(store, RedisAffinityStore):
+        shared = store
+        quotas.store = RedisQuotas(
+            shared.client, shared.keys, shared.replica, quotas.unavailable, lambda: shared.degraded
+        )
+    return quotas
 
 
 def make_store(settings: Settings, changes: Changes | None = None) -> AffinityStore:
@@ -401,6 +422,7 @@ def create_app(
             endpoints=served,
             feedback=gw.feedback,
             admission=gw.admission,
+            quotas=gw.quotas,
         )
     )
     status = StatusPage(gw.registry, gw.fleet, gw.store, gw.metrics, settings.routing.spill_min_in_flight)
@@ -454,7 +476,11 @@ def create_app(
     app.state.gateway = gw
     hot: dict[tuple[str, str], ASGIApp] = {("POST", path): ep for path, ep in shape_paths(served)}
     log_admin_access(access)
-    clients = ClientKeys(settings.auth.keys())
+    names = settings.auth.keys()
+    unknown = sorted(set(settings.quotas.keys) - set(names.values()))
+    if unknown:  # a typo would leave that key without its quota, silently
+        raise ConfigError(f"quotas.keys: {', '.join(unknown)}: no client key of that name (auth.client_keys)")
+    clients = ClientKeys(names)
     return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
 
 

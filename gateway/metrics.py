@@ -101,12 +101,19 @@ class Metrics:
         r.register(self.clients)
         self.admission: AdmissionMetrics | None = None  # admission's, when it is enabled (``admitting``)
         self.kv: KvEventsMetrics | None = None  # engines' KV cache events, when any backend has them
+        self.quota: QuotaMetrics | None = None  # quotas', when a key has one (``quotas``)
 
     def kv_events(self, index: KvIndex) -> KvEventsMetrics:
         """The KV cache events' collectors (backends/kv_events.py, gateway/learning.py), registered once."""
         if self.kv is None:
             self.kv = KvEventsMetrics(self.registry, index)
         return self.kv
+
+    def quotas(self) -> QuotaMetrics:
+        """The quota collectors (gateway/quotas.py), registered here once."""
+        if self.quota is None:
+            self.quota = QuotaMetrics(self.registry)
+        return self.quota
 
     def admitting(self, classes: Sequence[str]) -> AdmissionMetrics:
         """Admission's collectors (gateway/admission.py), registered here once; the status page reads them."""
@@ -685,6 +692,37 @@ def _histogram(table: dict[_V, _Histogram], key: _V) -> _Histogram:
     if h is None:
         h = table[key] = _Histogram(_STARTING_BUCKETS, _STARTING_LABELS)
     return h
+
+
+class QuotaMetrics(Collector):
+    """Quotas per client key (gateway/quotas.py), registered on ``r``. Label ``client``: key names from
+    ``quotas.keys`` only; ``outcome``: ``admitted``, ``unchecked`` (shared state unreachable: fail open), or
+    the limit that refused it (``requests``, ``tokens``, ``concurrent``)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.clients: dict[tuple[str, str], int] = {}  # (client, outcome)
+        self.store_failures = 0
+        r.register(self)
+
+    def counted(self, client: str, outcome: str) -> None:
+        _bump(self.clients, (client, outcome))
+
+    def of(self, client: str) -> dict[str, int]:
+        return {outcome: n for (c, outcome), n in sorted(self.clients.items()) if c == client}
+
+    def collect(self) -> _Families:
+        yield from _counter(
+            "warmroute_quota_requests",
+            "Requests of client keys with a quota, admitted or refused (by the limit reached)",
+            ("client", "outcome"),
+            self.clients,
+        )
+        failures = CounterMetricFamily(
+            "warmroute_quota_store_failures",
+            "Round trips to the shared quota state that failed (requests were admitted unchecked)",
+        )
+        failures.add_metric([], self.store_failures)
+        yield failures
 
 
 class AdmissionMetrics(Collector):

@@ -22,6 +22,12 @@ disagree without harm):
 ``P resp:<response id>``      string, the backend id holding that /v1/responses id's state (its engine
                               process's store); ``PX`` = ``routing.response_owner_ttl_s``. Written before
                               the id reaches the client (gateway/ownership.py).
+``P quota:<name>``            hash: a client key's quota window: ``r`` requests admitted, ``t`` tokens;
+                              ``PEXPIRE`` = ``quotas.window_s``, set when the window opens (its first
+                              request, or a charge after it closed): the key's expiry is the window's end.
+``P quota-flight:<name>``     hash: replica id -> ``count:seq``, the key's requests in flight there as that
+                              replica counts them (written over, only by a newer seq). Counted only for
+                              replicas in ``P replicas`` with a live lease, so a crashed replica's vanish.
 ``P epoch``                   random token set by the first replica to find it missing. A change means
                               Redis lost its data (restart without persistence, FLUSHALL): replicas then
                               write their local pins back.
@@ -74,3 +80,9 @@ class RedisKeys:
     @property
     def admin_version(self) -> str:
         return f"{self.prefix}admin:version"
+
+    def quota(self, client: str) -> str:
+        return f"{self.prefix}quota:{client}"
+
+    def quota_in_flight(self, client: str) -> str:
+        return f"{self.prefix}quota-flight:{client}"

@@ -123,3 +123,93 @@ if cur then
 end
 return cur
 """
+
+
+#: Quotas per client key (gateway/redis_quotas.py; the rules of gateway/quota_windows.py). Both scripts
+#: publish this replica's own count of the key's requests in flight as ``count:seq`` in the in-flight hash,
+#: written over (never incremented) and only by a newer ``seq``: a finish lost in an outage heals at the
+#: next call, and calls that reach Redis out of order never leave an older count.
+_QUOTA_PUBLISH = """
+local function publish(h, replica, count, seq)
+  local cur = redis.call('HGET', h, replica)
+  if cur then
+    local was = tonumber(string.match(cur, ':(%d+)$'))
+    if was and was >= seq then return end
+  end
+  redis.call('HSET', h, replica, count .. ':' .. seq)
+  redis.call('PEXPIRE', h, 86400000)
+end
+"""
+
+#: KEYS[1] the key's window hash (fields r: requests, t: tokens; PEXPIRE = window, set when it opens),
+#: KEYS[2] its in-flight hash (replica id -> count:seq), KEYS[3] replicas zset (lease expiry per replica).
+#: ARGV[1] this replica, ARGV[2] window (ms), ARGV[3..5] requests / tokens / concurrent limits (0: none),
+#: ARGV[6] '1' to count the request admitted (a read of the state: '0', which writes nothing), ARGV[7]
+#: this replica's requests in flight for the key as it counts them, this one included when counting
+#: (reserved before the call, so two admissions in flight from one replica never both take the last
+#: place), ARGV[8] this replica's publication seq.
+#: Returns {refused: 0 none, 1 requests, 2 tokens, 3 concurrent; requests; tokens; ms to reset; in flight}.
+#: Fields of replicas whose lease ran out (they crashed) are dropped.
+QUOTA_ADMIT = (
+    _QUOTA_PUBLISH
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local win = tonumber(ARGV[2])
+local rpm, tpm, conc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local counting = ARGV[6] == '1'
+local mine = tonumber(ARGV[7])
+if counting then mine = mine - 1 end
+local r = tonumber(redis.call('HGET', KEYS[1], 'r') or '0')
+local tk = tonumber(redis.call('HGET', KEYS[1], 't') or '0')
+local ttl = redis.call('PTTL', KEYS[1])
+local flying = mine
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  local replica = held[i]
+  if replica ~= ARGV[1] then
+    local lease = redis.call('ZSCORE', KEYS[3], replica)
+    if lease and tonumber(lease) > now then
+      flying = flying + (tonumber(string.match(held[i + 1], '^(%d+)')) or 0)
+    else
+      redis.call('HDEL', KEYS[2], replica)
+    end
+  end
+end
+local refused = 0
+if rpm > 0 and r >= rpm then refused = 1
+elseif tpm > 0 and tk >= tpm then refused = 2
+elseif conc > 0 and flying >= conc then refused = 3 end
+if counting then
+  if refused == 0 then
+    r = redis.call('HINCRBY', KEYS[1], 'r', 1)
+    if ttl < 0 then
+      redis.call('PEXPIRE', KEYS[1], win)
+      ttl = win
+    end
+    mine = mine + 1
+    flying = flying + 1
+  end
+  publish(KEYS[2], ARGV[1], mine, tonumber(ARGV[8]))
+end
+if ttl < 0 then ttl = win end
+return {refused, r, tk, ttl, flying}
+"""
+)
+
+#: An admitted request ended. KEYS[1] window hash, KEYS[2] in-flight hash; ARGV[1] this replica,
+#: ARGV[2] window (ms), ARGV[3] its tokens, charged to the window open now (one opens if none is),
+#: ARGV[4] this replica's requests in flight for the key now, ARGV[5] its publication seq.
+QUOTA_FINISH = (
+    _QUOTA_PUBLISH
+    + """
+publish(KEYS[2], ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[5]))
+local tokens = tonumber(ARGV[3])
+if tokens > 0 then
+  local ttl = redis.call('PTTL', KEYS[1])
+  redis.call('HINCRBY', KEYS[1], 't', tokens)
+  if ttl < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+end
+return 1
+"""
+)

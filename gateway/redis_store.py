@@ -184,6 +184,11 @@ class RedisAffinityStore:
                     return found if isinstance(found, str) else bytes(found).decode()
         return await self.local.owner(response_id)
 
+    @property
+    def degraded(self) -> bool:
+        """Redis failed a round trip and has not answered since (routing is local meanwhile)."""
+        return self._degraded
+
     def status(self) -> dict[str, object]:
         return {
             "backend": "redis",

@@ -77,6 +77,9 @@ class StatusData:
     notes: tuple[LifecycleNote, ...]  # newest first
     now: float
     admission: AdmissionRows | None = None  # None: admission is off
+    quotas: tuple[tuple[str, int, int, int], ...] | None = (
+        None  # key, admitted, refused, unchecked; None: off
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,19 @@ class StatusPage:
             notes=tuple(reversed(self.metrics.fleet.recent))[:NOTES_SHOWN],
             now=time.time(),
             admission=self._admission(),
+            quotas=self._quotas(),
         )
+
+    def _quotas(self) -> tuple[tuple[str, int, int, int], ...] | None:
+        """This replica's quota counts per key (its own counters: no round trip to shared state)."""
+        m = self.metrics.quota
+        if m is None:
+            return None
+        counts: dict[str, list[int]] = {}
+        for (client, outcome), n in list(m.clients.items()):
+            row = counts.setdefault(client, [0, 0, 0])
+            row[0 if outcome == "admitted" else 2 if outcome == "unchecked" else 1] += n
+        return tuple((name, a, r, u) for name, (a, r, u) in sorted(counts.items()))
 
     def _admission(self) -> AdmissionRows | None:
         m = self.metrics.admission
@@ -195,6 +210,7 @@ def render(data: StatusData) -> str:
         f"<h2>Backends</h2>{_backends(data)}"
         f"<h2>Routing decisions</h2>{_decisions(data.decisions)}"
         f"{_admission(data.admission)}"
+        f"{_quotas(data.quotas)}"
         f"<h2>Recent restarts and canary failures</h2>{_notes(data.notes)}"
         "</body></html>"
     )
@@ -252,6 +268,19 @@ def _admission(a: AdmissionRows | None) -> str:
         f"<h2>Admission</h2><table id=admission><tr><th>class</th><th>waiting</th></tr>{waiting}</table>"
         "<table id=admission-keys><tr><th>client key</th><th>admitted</th><th>refused</th></tr>"
         f"{clients}</table>"
+    )
+
+
+def _quotas(rows: tuple[tuple[str, int, int, int], ...] | None) -> str:
+    if rows is None:
+        return ""
+    body = "".join(
+        f"<tr><td>{escape(name)}</td><td>{ok}</td><td>{bad}</td><td>{unchecked}</td></tr>"
+        for name, ok, bad, unchecked in rows
+    )
+    return (
+        "<h2>Quotas</h2><table id=quotas><tr><th>client key</th><th>admitted</th><th>refused (429)</th>"
+        f"<th>unchecked</th></tr>{body or '<tr><td colspan=4 class=meta>no requests yet</td></tr>'}</table>"
     )
 
 

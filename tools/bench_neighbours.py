@@ -9,8 +9,10 @@ One simulated engine runs ``MAX_RUNNING`` requests at a time and queues the rest
 - ``flood+admission@headroom``: the same, the batch class leaving the engine's last slot free;
 - ``flood+admission@one-class``: A and B in the same class (fair share alone decides).
 
-Reported per variant: B's TTFT p50 and p95, B's turns, and the engine's completion tokens per second over
-the run (A's and B's), so admission's cost in throughput shows next to its gain in latency.
+Reported per variant: B's TTFT p50 and p95, B's turns, the engine's completion tokens per second over
+the run (A's and B's), so admission's cost in throughput shows next to its gain in latency, and the median
+time A's streams ran (first token to last): the engine's slot turnover (the time one running request takes
+to finish), the bound of B's p95 when A and B share a class.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ FLOOD = 16  # A's streams in flight
 FLOOD_TOKENS = 64  # each of A's answers (ignore_eos: exactly this many)
 TURN_TOKENS = 8
 TURNS = 15  # B's questions per variant
-KEYS = {"flood": "key-flood", "person": "key-person"}
+KEYS = {"flood": "key-flood", "person": "key-person", "heavy": "key-heavy", "light": "key-light"}
 VARIANTS = (
     "alone",
     "alone+admission",
@@ -55,6 +57,7 @@ class Run:
     turns: list[StreamResult]
     flood_tokens: int
     wall_s: float
+    flood_running_s: tuple[float, ...] = ()  # each of A's streams, first token to last (a slot held)
 
 
 def body(max_tokens: int, text: str) -> dict[str, Any]:
@@ -102,20 +105,28 @@ def start_gateway(launch: Launcher, engine: Engine, variant: str, name: str) -> 
     return child
 
 
-async def _flood(client: httpx.AsyncClient, url: str, stop: asyncio.Event, tokens: list[int]) -> None:
+async def _flood(
+    client: httpx.AsyncClient, url: str, stop: asyncio.Event, tokens: list[int], running: list[float]
+) -> None:
     headers = {"authorization": f"Bearer {KEYS['flood']}"}
     n = 0
     while not stop.is_set():
         n += 1
         result = await stream_chat(client, url, body(FLOOD_TOKENS, f"summarise document {n}"), headers)
         tokens.append(result.completion_tokens)
+        if result.error is None and result.decode_s is not None:
+            running.append(result.decode_s)
 
 
 async def run_variant(client: httpx.AsyncClient, url: str, variant: str) -> Run:
     stop = asyncio.Event()
     tokens: list[int] = []
+    running: list[float] = []
     flooding = variant.startswith("flood")
-    floods = [asyncio.create_task(_flood(client, url, stop, tokens)) for _ in range(FLOOD if flooding else 0)]
+    floods = [
+        asyncio.create_task(_flood(client, url, stop, tokens, running))
+        for _ in range(FLOOD if flooding else 0)
+    ]
     headers = {"authorization": f"Bearer {KEYS['person']}"}
     t0 = time.monotonic()
     if flooding:
@@ -126,7 +137,7 @@ async def run_variant(client: httpx.AsyncClient, url: str, variant: str) -> Run:
     stop.set()
     await asyncio.gather(*floods)
     wall = time.monotonic() - t0
-    return Run(turns, sum(tokens), wall)
+    return Run(turns, sum(tokens), wall, tuple(running))
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -139,6 +150,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "b_ttft_p95_ms": 1000 * ttft[max(0, round(0.95 * len(ttft)) - 1)] if ttft else None,
         "tokens_per_s": tokens / run.wall_s,
         "wall_s": run.wall_s,
+        "a_running_p50_ms": 1000 * statistics.median(run.flood_running_s) if run.flood_running_s else None,
     }
 
 

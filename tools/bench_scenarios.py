@@ -12,6 +12,7 @@ medians over rounds; ratios compare variants of the same round set on the same m
 - ``join``: the last engine is down at the start and comes back empty a third of the way in.
 - ``slow``: the first engine slows 4x a third of the way in.
 - ``noisy-neighbour``: admission on one engine, a flood and a person (tools/bench_neighbours.py).
+- ``fair-share``: two clients of one class, demand 4:1, admission off and on (tools/bench_fairness.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tools import bench_neighbours, procs
+from tools import bench_fairness, bench_neighbours, procs
 from tools.bench_report import TurnRecord
 from tools.bench_run import Plan, Tally, Target, play
 from tools.launch import Child, Engine, Launcher, SimProfile
@@ -381,7 +382,7 @@ def _medians(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def main(names: Sequence[str], rounds: int, time_scale: float, profile: SimProfile, out: str | None) -> int:
     results = []
-    known = [*SCENARIOS, *bench_neighbours.SCENARIOS]
+    known = [*SCENARIOS, *bench_neighbours.SCENARIOS, *bench_fairness.SCENARIOS]
     for name in names:
         if name not in known:
             raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(known)}")
@@ -389,6 +390,9 @@ def main(names: Sequence[str], rounds: int, time_scale: float, profile: SimProfi
         if name in bench_neighbours.SCENARIOS:  # admission: its own clients, not conversations
             result = asyncio.run(bench_neighbours.run_scenario(name, rounds, time_scale, profile))
             brief = bench_neighbours.brief
+        elif name in bench_fairness.SCENARIOS:
+            result = asyncio.run(bench_fairness.run_scenario(name, rounds, time_scale, profile))
+            brief = bench_fairness.brief
         else:
             result = asyncio.run(run_scenario(name, rounds, time_scale, profile))
             brief = _brief

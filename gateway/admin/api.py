@@ -40,6 +40,7 @@ from gateway.admin.models import (
     ChangesView,
     HoldRequest,
     HoldResult,
+    QuotasView,
     Removed,
 )
 from gateway.admin.openapi import Handler, Operation
@@ -194,6 +195,12 @@ class AdminApi:
         if control is None:
             return json_response(AdmissionView(enabled=False))
         return json_response(AdmissionView(enabled=True, **control.status()))
+
+    async def quotas(self, _request: Request) -> Response:
+        quotas = self.gw.quotas
+        if quotas is None:
+            return json_response(QuotasView(enabled=False))
+        return json_response(QuotasView(enabled=True, **(await quotas.status())))
 
     # -- changes ------------------------------------------------------------------------------------
 
@@ -388,6 +395,7 @@ def operations(api: AdminApi, routing: RoutingApi) -> list[Operation]:
         Operation(
             "GET", "/admission", api.admission, "Admission queues per class, backends, keys", AdmissionView
         ),
+        Operation("GET", "/quotas", api.quotas, "Quota windows per client key (read-only)", QuotasView),
         Operation(
             "GET",
             "/changes",

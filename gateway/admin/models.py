@@ -197,6 +197,17 @@ class AffinityStats(BaseModel):
     hit_rate: float | None = Field(description="affinity_hit / every decision for a conversation")
 
 
+class QuotasView(BaseModel):
+    enabled: bool = Field(description="A client key has a quota (quotas.keys)")
+    window_s: float | None = None
+    keys: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per key: its limits, its window now (requests, tokens, in_flight, reset_s; shared "
+        "state when Redis is configured), and counts per outcome (admitted, unchecked, requests, tokens, "
+        "concurrent)",
+    )
+
+
 class AdmissionView(BaseModel):
     enabled: bool
     classes: dict[str, dict[str, Any]] = Field(

@@ -20,6 +20,7 @@ from gateway.admission import AdmissionControl
 from gateway.endpoints import Endpoint
 from gateway.learning import RoutingFeedback
 from gateway.metrics import Metrics
+from gateway.quotas import Quotas
 from gateway.state import AffinityStore
 from gateway.upstream import UpstreamPool
 
@@ -40,3 +41,4 @@ class AdminPorts:
     endpoints: Mapping[str, Endpoint]  # path -> the endpoint serving it (the explain dry run)
     feedback: RoutingFeedback | None = None  # the ttft policy's inputs, when it is configured
     admission: AdmissionControl | None = None  # admission per backend, when it is enabled
+    quotas: Quotas | None = None  # quotas per client key, when a key has one

@@ -130,7 +130,9 @@ def test_openapi_document_lists_every_admin_route(cluster: ClusterFactory) -> No
     assert doc["openapi"] == "3.1.0"
     listed = {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
     assert listed == {(op.method, op.openapi_path) for op in c.gateway.admin.operations}  # type: ignore[union-attr]
-    assert len(listed) == 19  # 15, the on-demand hold and its release, the changes long poll, admission
+    assert (
+        len(listed) == 20
+    )  # 15, the on-demand hold and its release, the changes long poll, admission, quotas
     params = doc["paths"]["/admin/changes"]["get"]["parameters"]
     assert [(p["name"], p["in"], p["required"]) for p in params] == [
         ("since", "query", False),

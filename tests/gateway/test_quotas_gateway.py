@@ -1,0 +1,316 @@
+"""Quotas per client key through the proxy, on the in-memory transport: exact 429 bodies and headers, the
+headers of admitted answers, tokens charged from usage, and the in-flight count given back however a request
+ends. Held replies wait on ``asyncio.Event``s; the quota clock stands still, so nothing here depends on time
+passing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import socket
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from redis.asyncio import Redis
+
+from backends.registry import Registry
+from config.settings import RedisConfig, load_settings
+from gateway.context import RequestContext
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.proxy import AdmitAll, Proxy
+from gateway.quota_windows import Limits, Verdict
+from gateway.quotas import LocalQuotas, Quotas
+from gateway.redis_keys import RedisKeys
+from gateway.redis_quotas import QuotaUnavailable, RedisQuotas
+from gateway.redis_store import redis_pool
+from gateway.shapes.base import ApiShape, ErrorShape
+from gateway.shapes.table import CHAT
+from gateway.state import MemoryAffinityStore
+from gateway.transport import UpstreamConnectError
+from routing.policies.round_robin import RoundRobinPolicy
+from routing.types import BackendState
+
+from transports import FakeTransport, Reply
+
+pytestmark = pytest.mark.anyio
+JSON = [(b"content-type", b"application/json")]
+SSE = [(b"content-type", b"text/event-stream")]
+HOUR = 3600
+
+
+def answer(prompt: int = 40, completion: int = 70) -> Reply:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Reply.json({"id": "c", "choices": [{"message": {"content": "ok"}}], "usage": usage})
+
+
+class AnnouncedQuotas(LocalQuotas):
+    """The in-memory store on a clock that stands still (windows never move on their own), announcing each
+    admission (what a test waits on)."""
+
+    def __init__(self) -> None:
+        super().__init__(clock=lambda: 1000.0)
+        self.admitted = asyncio.Event()
+
+    async def admit(self, key: str, limits: Limits) -> Verdict:
+        verdict = await super().admit(key, limits)
+        self.admitted.set()
+        return verdict
+
+
+class Rig:
+    """One backend ``a`` behind a proxy whose quota module has ``keys``."""
+
+    def __init__(self, keys: dict[str, Any]) -> None:
+        settings = load_settings(
+            None,
+            backends=[{"id": "a", "url": "http://a", "models": ["m"]}],
+            quotas={"keys": keys, "window_s": HOUR},
+        )
+        affinity = MemoryAffinityStore(settings.routing)
+        self.registry = registry = Registry(settings.backends, listener=affinity)
+        registry.backends["a"].state = BackendState.READY
+        self.metrics = Metrics(registry)
+        self.store = AnnouncedQuotas()
+        self.quotas = Quotas(settings.quotas, self.store, self.metrics.quotas())
+        self.fake = FakeTransport()
+        modules = (self.metrics, self.quotas)
+        self.proxy = Proxy(
+            settings.timeouts, registry, affinity, AdmitAll(), self.metrics, self.fake, modules
+        )
+
+    def counter(self, client: str, outcome: str) -> float:
+        text = generate_latest(self.metrics.registry).decode()
+        line = f'warmroute_quota_requests_total{{client="{client}",outcome="{outcome}"}} '
+        found = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+        return found[0] if found else 0.0
+
+    async def window(self, key: str) -> Verdict:
+        return await self.quotas.store.state(key, self.quotas.limits[key])
+
+    async def idle(self, key: str) -> None:
+        assert (await self.window(key)).in_flight == 0
+        assert self.registry.total_in_flight() == 0 and self.fake.unclosed() == []
+
+
+def context(client: str | None, *, stream: bool = False, shape: ApiShape = CHAT) -> RequestContext:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    raw = json.dumps(body).encode()
+    ctx = RequestContext("POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], shape)
+    ctx.client = client
+    return ctx
+
+
+class Client:
+    """One request forwarded as a task; ``leave`` makes the client disconnect."""
+
+    def __init__(self, rig: Rig, ctx: RequestContext) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.leave = asyncio.Event()
+        self.headed = asyncio.Event()
+        self.task = asyncio.create_task(rig.proxy.forward(self._receive, self._send, ctx))
+
+    async def _receive(self) -> dict[str, Any]:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            self.headed.set()
+
+    async def answer(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        await self.task
+        head = self.sent[0]
+        return head["status"], list(head["headers"]), b"".join(m.get("body", b"") for m in self.sent[1:])
+
+
+def ratelimit(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k.startswith((b"x-ratelimit-", b"retry-after"))]
+
+
+async def test_the_request_past_the_window_gets_a_429_with_openais_headers_and_body() -> None:
+    rig = Rig({"alice": {"requests_per_window": 3}})
+    rig.fake.script("http://a", *(answer() for _ in range(3)))
+    admitted = [await Client(rig, context("alice")).answer() for _ in range(3)]
+    assert [s for s, _, _ in admitted] == [200, 200, 200]
+    remaining = [dict(h)[b"x-ratelimit-remaining-requests"] for _, h, _ in admitted]
+    assert remaining == [b"2", b"1", b"0"]
+    status, headers, body = await Client(rig, context("alice")).answer()
+    assert status == 429
+    assert ratelimit(headers) == [
+        (b"retry-after", b"3600"),
+        (b"x-ratelimit-limit-requests", b"3"),
+        (b"x-ratelimit-remaining-requests", b"0"),
+        (b"x-ratelimit-reset-requests", b"1h0m0s"),
+    ]
+    assert json.loads(body) == {
+        "error": {
+            "message": "Rate limit reached for client key 'alice' on requests per 3600 s: limit 3, used 3. "
+            "Please try again in 1h0m0s.",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
+    assert len(rig.fake.requests) == 3  # the refused one never reached the engine
+    assert (rig.counter("alice", "admitted"), rig.counter("alice", "requests")) == (3, 1)
+    await rig.idle("alice")
+
+
+async def test_admitted_answers_carry_both_trios_and_tokens_come_from_usage() -> None:
+    rig = Rig({"alice": {"requests_per_window": 10, "tokens_per_window": 200}})
+    rig.fake.script("http://a", answer(40, 70), answer(30, 20), answer())
+    first = await Client(rig, context("alice")).answer()
+    assert first[0] == 200
+    h = dict(first[1])
+    assert (h[b"x-ratelimit-limit-requests"], h[b"x-ratelimit-remaining-requests"]) == (b"10", b"9")
+    assert (h[b"x-ratelimit-limit-tokens"], h[b"x-ratelimit-remaining-tokens"]) == (b"200", b"200")
+    assert h[b"x-ratelimit-reset-requests"] == h[b"x-ratelimit-reset-tokens"] == b"1h0m0s"
+    assert (await rig.window("alice")).tokens == 110  # 40 + 70, charged once it was answered
+    second = dict((await Client(rig, context("alice")).answer())[1])
+    assert second[b"x-ratelimit-remaining-tokens"] == b"90"
+    assert (await rig.window("alice")).tokens == 160
+    third = dict((await Client(rig, context("alice")).answer())[1])  # 160 < 200: admitted
+    assert third[b"x-ratelimit-remaining-tokens"] == b"40"
+    status, headers, body = await Client(rig, context("alice")).answer()  # 270 spent
+    assert status == 429
+    assert json.loads(body)["error"]["type"] == "tokens"
+    limited = dict(ratelimit(headers))
+    assert (limited[b"x-ratelimit-remaining-tokens"], limited[b"x-ratelimit-remaining-requests"]) == (
+        b"0",
+        b"7",
+    )
+    assert rig.counter("alice", "tokens") == 1
+    await rig.idle("alice")
+
+
+async def test_a_streams_usage_is_charged_and_its_head_carries_the_headers() -> None:
+    rig = Rig({"alice": {"tokens_per_window": 1000}})
+    events = [
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    rig.fake.script("http://a", Reply(200, SSE, events))
+    status, headers, _ = await Client(rig, context("alice", stream=True)).answer()
+    assert status == 200
+    assert dict(headers)[b"x-ratelimit-remaining-tokens"] == b"1000"
+    assert (await rig.window("alice")).tokens == 17
+    await rig.idle("alice")
+
+
+async def test_an_answer_without_usage_is_charged_its_prompt_estimate_and_a_failure_nothing() -> None:
+    rig = Rig({"alice": {"tokens_per_window": 1000}})
+    rig.fake.script("http://a", Reply(200, SSE, [b"data: [DONE]\n\n"]), Reply.json({"error": "no"}, 400))
+    ctx = context("alice", stream=True)
+    await Client(rig, ctx).answer()
+    assert (await rig.window("alice")).tokens == len(ctx.raw) // 4
+    await Client(rig, context("alice")).answer()
+    assert (await rig.window("alice")).tokens == len(ctx.raw) // 4
+    await rig.idle("alice")
+
+
+async def test_a_refusal_is_rendered_in_the_routes_own_error_shape() -> None:
+    rig = Rig({"alice": {"requests_per_window": 1}})
+
+    def body(err: GatewayError) -> bytes:
+        return json.dumps({"type": "error", "error": {"type": err.type, "message": err.message}}).encode()
+
+    shape = dataclasses.replace(CHAT, errors=ErrorShape(body, lambda err: b"", b"application/x-test"))
+    rig.fake.script("http://a", answer())
+    await Client(rig, context("alice", shape=shape)).answer()
+    status, headers, sent = await Client(rig, context("alice", shape=shape)).answer()
+    assert (status, dict(headers)[b"content-type"], dict(headers)[b"retry-after"]) == (
+        429,
+        b"application/x-test",
+        b"3600",
+    )
+    assert json.loads(sent)["type"] == "error" and json.loads(sent)["error"]["type"] == "requests"
+
+
+async def test_keys_without_a_quota_and_requests_without_a_key_are_not_looked_at() -> None:
+    rig = Rig({"alice": {"requests_per_window": 1}})
+    rig.fake.script("http://a", answer(), answer())
+    for client in ("bob", None):
+        status, headers, _ = await Client(rig, context(client)).answer()
+        assert status == 200 and ratelimit(headers) == []
+    text = generate_latest(rig.metrics.registry).decode()
+    assert "warmroute_quota_requests_total{" not in text
+
+
+async def test_the_concurrent_limit_refuses_while_one_runs_and_admits_once_it_ended() -> None:
+    rig = Rig({"alice": {"concurrent": 1}})
+    gate = asyncio.Event()
+    rig.fake.script("http://a", Reply(200, JSON, [gate, json.dumps({"usage": None}).encode()]), answer())
+    running = Client(rig, context("alice"))
+    await rig.store.admitted.wait()
+    status, headers, body = await Client(rig, context("alice")).answer()
+    assert (status, ratelimit(headers), json.loads(body)["error"]["type"]) == (
+        429,
+        [(b"retry-after", b"1")],
+        "concurrent",
+    )
+    assert "limit 1, in flight 1" in json.loads(body)["error"]["message"]
+    gate.set()
+    assert (await running.answer())[0] == 200
+    assert (await Client(rig, context("alice")).answer())[0] == 200
+    assert (rig.counter("alice", "admitted"), rig.counter("alice", "concurrent")) == (2, 1)
+    await rig.idle("alice")
+
+
+@pytest.mark.parametrize(
+    "ending",
+    ["answered", "engine_5xx", "connect_error", "client_left_waiting", "client_left_streaming"],
+)
+async def test_in_flight_returns_to_zero_however_a_request_ends(ending: str) -> None:
+    rig = Rig({"alice": {"concurrent": 2, "tokens_per_window": 10_000}})
+    gate = asyncio.Event()
+    replies = {
+        "answered": [answer()],
+        "engine_5xx": [Reply.json({"error": "boom"}, 500)],
+        "connect_error": [Reply(error=UpstreamConnectError("refused"))],
+        "client_left_waiting": [Reply(200, JSON, before_head=gate)],
+        "client_left_streaming": [Reply(200, SSE, [b'data: {"choices":[]}\n\n', gate])],
+    }[ending]
+    rig.fake.script("http://a", *replies)
+    client = Client(rig, context("alice", stream=ending == "client_left_streaming"))
+    if ending == "client_left_waiting":
+        await rig.store.admitted.wait()
+        client.leave.set()
+    elif ending == "client_left_streaming":
+        await client.headed.wait()
+        client.leave.set()
+    await client.task
+    await rig.idle("alice")
+    assert rig.counter("alice", "admitted") == 1
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+async def test_an_unreachable_shared_state_admits_unchecked_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = RedisConfig(url=f"redis://127.0.0.1:{closed_port()}/0", timeout_s=0.5)
+    client = Redis(connection_pool=redis_pool(cfg))
+    rig = Rig({"alice": {"requests_per_window": 1}})
+    rig.quotas.store = RedisQuotas(client, RedisKeys("t:"), "r1", rig.quotas.unavailable)
+    rig.fake.script("http://a", answer(), answer())
+    with caplog.at_level(logging.WARNING, logger="warmroute.quotas"):
+        results = [await Client(rig, context("alice")).answer() for _ in range(2)]
+    assert [(s, ratelimit(h)) for s, h, _ in results] == [(200, []), (200, [])]  # past the limit: fail open
+    assert rig.counter("alice", "unchecked") == 2 and rig.metrics.quotas().store_failures == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "warmroute.quotas"]
+    assert len(warnings) == 1 and "admitted unchecked (1 times)" in warnings[0]
+    with pytest.raises(QuotaUnavailable):
+        await rig.quotas.store.state("alice", Limits(requests=1))
+    await client.aclose()
