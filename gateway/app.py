@@ -157,7 +157,7 @@ class Gateway:
         volatile = rules_for(settings.routing.volatile_prefixes)
         return (
             self.metrics,  # tokens, TTFT, requests by model and route reason
-            *([self.quotas] if self.quotas is not None else []),  # first: over quota wakes and waits for nothing
+            *([self.quotas] if self.quotas is not None else []),  # first: over quota, nothing waits or wakes
             ResponseOwnership(self.store, self.registry),  # before the waiting room: an unknown id waits not
             *([self.waiting] if self.waiting is not None else []),
             *([self.admission] if self.admission is not None else []),  # after the waiting room: its send
