@@ -4,7 +4,9 @@
 - moved: follow-ups served by another engine than the session's previous turn (each a re-prefill), with the
   gateway's reasons (``x-warmroute-route`` of the moved request).
 - turn-1 load max/mean: first turns per engine, the busiest over the mean (1.0 = even).
-- chains: the share of follow-ups that reached the engine holding their ``previous_response_id``, and 404s.
+- owner share: follow-ups served by the engine of the session's previous turn, over every follow-up sent
+  (failed and 404 ones too): for chains, the share that reached the engine holding their
+  ``previous_response_id``. A session stops at its first failed turn (its history cannot go on).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def summarize(records: Sequence[AgentRecord], engines: Sequence[str], wall_s: fl
     first = [r for r in ok if r.turn == 1]
     follow = [r for r in ok if r.turn > 1]
     moved = [r for r in follow if r.previous is not None and r.out.result.backend != r.previous]
+    attempts = [r for r in records if r.turn > 1 and r.previous is not None]  # 404s and failures included
     split = Counter(r.out.result.backend for r in first)
     counts = [split.get(e, 0) for e in engines]
     prompt = sum(r.out.result.prompt_tokens or 0 for r in follow)
@@ -62,7 +65,7 @@ def summarize(records: Sequence[AgentRecord], engines: Sequence[str], wall_s: fl
         "followups": len(follow),
         "moved": len(moved),
         "moved_reasons": dict(Counter(r.out.result.route or "?" for r in moved)),
-        "owner_share": 1 - len(moved) / len(follow) if follow else None,
+        "owner_share": (len(follow) - len(moved)) / len(attempts) if attempts else None,
         "turn1_load_max_mean": max(counts) / statistics.fmean(counts) if any(counts) else None,
         "turn1_split": counts,
         "cached_share": cached / prompt if prompt else None,
@@ -95,6 +98,8 @@ def medians(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def add_ratios(by_variant: dict[str, dict[str, Any]]) -> None:
     reference = by_variant.get(ORACLE, {}).get("followup_ttft_ms")
     for stats in by_variant.values():
+        if "skipped" in stats:
+            continue
         value = stats.get("followup_ttft_ms")
         stats["vs_oracle"] = value / reference if value and reference else None
 
