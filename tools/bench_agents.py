@@ -52,7 +52,7 @@ from tools.redis_server import RedisServer, find_binary
 
 MODEL = "sim-model"
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
-TRANSLATED = "translated"
+TRANSLATED = report.TRANSLATED
 SHAPE_FLAG = {"messages": "--no-messages-api", "codex": "--no-responses-api", "chain": "--no-responses-api"}
 SHAPE_PATH = {"messages": MESSAGES_PATH, "codex": RESPONSES_PATH, "chain": RESPONSES_PATH}
 
@@ -203,7 +203,7 @@ async def run_variant(
     redis_url: str | None,
 ) -> dict[str, Any]:
     name, _, settings = variant.partition("@")
-    policy = "affinity" if name == TRANSLATED else name
+    policy = report.NATIVE if name == TRANSLATED else name
     engines = engine_sets[TRANSLATED if name == TRANSLATED else "native"]
     for e in engines:
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()

@@ -20,9 +20,12 @@ from typing import Any
 from tools.agent_client import AgentResult
 
 ORACLE = "oracle"
+TRANSLATED = "translated"
+NATIVE = "affinity"  # the translated variant runs this policy: its native twin
 BRIEF_KEYS = (
     "followup_ttft_ms",
     "vs_oracle",
+    "vs_native",
     "turn1_ttft_ms",
     "moved",
     "moved_reasons",
@@ -96,12 +99,16 @@ def medians(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def add_ratios(by_variant: dict[str, dict[str, Any]]) -> None:
+    """``vs_oracle`` for every variant that ran; ``vs_native`` for the translated one (over ``affinity``)."""
     reference = by_variant.get(ORACLE, {}).get("followup_ttft_ms")
     for stats in by_variant.values():
         if "skipped" in stats:
             continue
         value = stats.get("followup_ttft_ms")
         stats["vs_oracle"] = value / reference if value and reference else None
+    translated, native = by_variant.get(TRANSLATED, {}), by_variant.get(NATIVE, {}).get("followup_ttft_ms")
+    if "skipped" not in translated and (value := translated.get("followup_ttft_ms")) and native:
+        translated["vs_native"] = value / native
 
 
 def brief(result: dict[str, Any]) -> str:
