@@ -8,6 +8,9 @@ Sessions pause between turns (the agent running a tool: ``AgentSpec.pause_s``, t
 - ``claude-code``: Claude Code-shaped sessions on ``/v1/messages``, identical heads (one long system prompt
   and the same tools), an ``x-claude-code-session-id`` per session; 2 engines.
 - ``claude-code-billing``: the same with the billing-header first system block, a new nonce every request.
+- ``claude-code-billing-kept``: the same on engines that keep that block in the prompt (as llama.cpp does;
+  the gateway's backends say ``dialect: llamacpp``): a prefix cache misses from token 0 unless the block is
+  stripped before forwarding. The oracle strips it (it knows everything), so it stays the reference.
 - ``codex``: Codex-shaped sessions on ``/v1/responses``: full input every turn, ``store: false``,
   ``prompt_cache_key`` and a ``session_id`` header; 2 engines.
 - ``responses-chain``: SDK-style chains on ``previous_response_id`` through 2 gateway replicas sharing Redis,
@@ -53,6 +56,7 @@ from tools.redis_server import RedisServer, find_binary
 MODEL = "sim-model"
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
 TRANSLATED = report.TRANSLATED
+BILLING_PREFIX = "x-anthropic-billing-header"
 SHAPE_FLAG = {"messages": "--no-messages-api", "codex": "--no-responses-api", "chain": "--no-responses-api"}
 SHAPE_PATH = {"messages": MESSAGES_PATH, "codex": RESPONSES_PATH, "chain": RESPONSES_PATH}
 
@@ -65,11 +69,19 @@ class AgentScenario:
     variants: tuple[str, ...] = ("affinity", "ttft", "oracle", TRANSLATED)
     replicas: int = 1
     target: str = "follow-up TTFT <= 1.05x oracle; 0 follow-ups moved except by a spill or failure"
+    engine_flags: tuple[str, ...] = ()  # every engine of the scenario, e.g. ("--keep-billing-block",)
+    backend: tuple[tuple[str, str], ...] = ()  # extra keys of each backend in the gateway config
 
 
 SCENARIOS: dict[str, AgentScenario] = {
     "claude-code": AgentScenario("messages", AgentSpec()),
     "claude-code-billing": AgentScenario("messages", AgentSpec(billing=True)),
+    "claude-code-billing-kept": AgentScenario(
+        "messages",
+        AgentSpec(billing=True),
+        engine_flags=("--keep-billing-block",),
+        backend=(("dialect", "llamacpp"),),
+    ),
     "codex": AgentScenario("codex", AgentSpec()),
     "responses-chain": AgentScenario(
         "chain",
@@ -111,12 +123,17 @@ def _all_ready(response: httpx.Response) -> bool:
 
 
 def start_gateway(
-    launch: Launcher, engines: Sequence[Engine], routing: dict[str, Any], name: str, redis_url: str | None
+    launch: Launcher,
+    engines: Sequence[Engine],
+    routing: dict[str, Any],
+    name: str,
+    redis_url: str | None,
+    backend: Sequence[tuple[str, str]] = (),
 ) -> Child:
     port = free_port()
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
-        "backends": [{"id": e.id, "url": e.url, "models": [MODEL]} for e in engines],
+        "backends": [{"id": e.id, "url": e.url, "models": [MODEL], **dict(backend)} for e in engines],
         "routing": routing,
         "health": {"interval_s": 1, "timeout_s": 2, "fail_threshold": 2},
         "redis": {"url": redis_url},
@@ -158,6 +175,8 @@ async def _session(client: httpx.AsyncClient, run: Run, s: AgentSession, t0: flo
         else:
             body, headers = chain_request(run.spec, run.head, s, turn, previous_id, MODEL), {}
         url = _target(run, s.index, turn, previous)
+        if run.oracle and "--keep-billing-block" in run.sc.engine_flags:
+            body = {**body, "system": [b for b in body["system"] if not b["text"].startswith(BILLING_PREFIX)]}
         started = time.monotonic() - t0
         out = await stream_agent(client, url, path, body, headers)
         records.append(AgentRecord(s.index, turn + 1, started, out, previous))
@@ -214,7 +233,7 @@ async def run_variant(
     try:
         if policy != report.ORACLE:
             gateways = [
-                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis_url)
+                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis_url, sc.backend)
                 for i in range(sc.replicas)
             ]
             if name == TRANSLATED and (why := await _probe(client, gateways[0].url, sc.shape)) is not None:
@@ -262,10 +281,10 @@ def run_scenario(
     sc = SCENARIOS[name]
     chosen = tuple(variants) or sc.variants
     with Launcher(f"warmroute-{name}-") as launch:
-        engine_sets = {"native": start_engines(launch, sc.engines, profile, "engine", ())}
+        engine_sets = {"native": start_engines(launch, sc.engines, profile, "engine", sc.engine_flags)}
         if TRANSLATED in chosen:
             engine_sets[TRANSLATED] = start_engines(
-                launch, sc.engines, profile, "plain", (SHAPE_FLAG[sc.shape],)
+                launch, sc.engines, profile, "plain", (SHAPE_FLAG[sc.shape], *sc.engine_flags)
             )
         redis = None
         if sc.replicas > 1:

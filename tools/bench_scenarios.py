@@ -12,8 +12,9 @@ medians over rounds; ratios compare variants of the same round set on the same m
 - ``join``: the last engine is down at the start and comes back empty a third of the way in.
 - ``slow``: the first engine slows 4x a third of the way in.
 - ``noisy-neighbour``: admission on one engine, a flood and a person (tools/bench_neighbours.py).
-- ``claude-code``, ``claude-code-billing``, ``codex``, ``responses-chain``, ``agents-16x4`` (or ``agents`` for
-  all five): coding-agent sessions on /v1/messages and /v1/responses (tools/bench_agents.py).
+- ``claude-code``, ``claude-code-billing``, ``claude-code-billing-kept``, ``codex``, ``responses-chain``,
+  ``agents-16x4`` (or ``agents`` for all six): coding-agent sessions on /v1/messages and /v1/responses
+  (tools/bench_agents.py).
 """
 
 from __future__ import annotations

@@ -115,6 +115,22 @@ async def test_messages_sessions_through_the_oracle_stay_put(sims: httpx.AsyncCl
     assert (stats["requests"], stats["errors"], stats["moved"], stats["followups"]) == (9, 0, 0, 6)
 
 
+@pytest.mark.anyio
+async def test_the_oracle_strips_a_billing_block_that_the_engines_keep() -> None:
+    kept = SimConfig(name="e1", time_scale=0, keep_billing_block=True)
+    mounts = {"http://e1": httpx.ASGITransport(app=create_sim_app(kept))}
+    head, sessions = build(replace(SPEC, billing=True))
+    sc = bench_agents.SCENARIOS["claude-code-billing-kept"]
+    async with httpx.AsyncClient(mounts=mounts) as client:
+        for oracle, expect_hits in ((False, False), (True, True)):
+            run = bench_agents.Run(
+                sc, replace(SPEC, billing=True), head, ("http://e1",), oracle, ("e1",), 0.0
+            )
+            records = await bench_agents._session(client, run, sessions[0], 0.0)
+            follow = [r.out.result.cached_tokens or 0 for r in records if r.turn > 1]
+            assert len(follow) == 2 and all((c > 0) is expect_hits for c in follow)
+
+
 def _record(
     session: int, turn: int, backend: str, previous: str | None, route: str = "affinity_hit"
 ) -> AgentRecord:
@@ -152,8 +168,8 @@ def test_every_agent_scenario_is_known_to_the_bench_command() -> None:
 
     args = bench.parse_args(["--scenario", "agents"])
     assert args.scenario == "agents"
-    assert set(bench_agents.SCENARIOS) == {"claude-code", "claude-code-billing", "codex", "responses-chain",
-                                           "agents-16x4"}  # fmt: skip
+    assert set(bench_agents.SCENARIOS) == {"claude-code", "claude-code-billing", "claude-code-billing-kept",
+                                           "codex", "responses-chain", "agents-16x4"}  # fmt: skip
     assert all(
         set(sc.variants) <= {"affinity", "ttft", "oracle", "translated"}
         for sc in bench_agents.SCENARIOS.values()
