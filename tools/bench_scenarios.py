@@ -13,6 +13,9 @@ medians over rounds; ratios compare variants of the same round set on the same m
 - ``slow``: the first engine slows 4x a third of the way in.
 - ``noisy-neighbour``: admission on one engine, a flood and a person (tools/bench_neighbours.py).
 - ``fair-share``: two clients of one class, demand 4:1, admission off and on (tools/bench_fairness.py).
+- ``claude-code``, ``claude-code-billing``, ``claude-code-billing-kept``, ``codex``, ``responses-chain``,
+  ``agents-16x4`` (or ``agents`` for all six): coding-agent sessions on /v1/messages and /v1/responses
+  (tools/bench_agents.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tools import bench_fairness, bench_neighbours, procs
+from tools import bench_agents, bench_agents_report, bench_fairness, bench_neighbours, procs
 from tools.bench_report import TurnRecord
 from tools.bench_run import Plan, Tally, Target, play
 from tools.launch import Child, Engine, Launcher, SimProfile
@@ -382,12 +385,16 @@ def _medians(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def main(names: Sequence[str], rounds: int, time_scale: float, profile: SimProfile, out: str | None) -> int:
     results = []
-    known = [*SCENARIOS, *bench_neighbours.SCENARIOS, *bench_fairness.SCENARIOS]
+    known = [*SCENARIOS, *bench_neighbours.SCENARIOS, *bench_fairness.SCENARIOS, *bench_agents.SCENARIOS]
+    names = [n for name in names for n in (bench_agents.SCENARIOS if name == "agents" else [name])]
     for name in names:
         if name not in known:
-            raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(known)}")
+            raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(known)}, agents")
         print(f"== scenario {name} ({rounds} rounds, time scale {time_scale}) ==", flush=True)
-        if name in bench_neighbours.SCENARIOS:  # admission: its own clients, not conversations
+        if name in bench_agents.SCENARIOS:  # coding agents: their own sessions, shapes and oracle
+            result = bench_agents.run_scenario(name, rounds, time_scale, profile, VARIANTS)
+            brief = bench_agents_report.brief
+        elif name in bench_neighbours.SCENARIOS:  # admission: its own clients, not conversations
             result = asyncio.run(bench_neighbours.run_scenario(name, rounds, time_scale, profile))
             brief = bench_neighbours.brief
         elif name in bench_fairness.SCENARIOS:

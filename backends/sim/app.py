@@ -6,18 +6,18 @@ Routes:
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics``
 - ``GET|POST|DELETE /sim/faults`` — read, patch (JSON body, see ``FaultsPatch``), reset the fault switches
 - ``GET /sim/stats`` — JSON counters; ``POST /reset_prefix_cache`` — empty the prefix cache (vLLM's path)
+- ``/v1/messages`` and ``/v1/responses`` (unless turned off): see ``backends.sim.agent_routes``
 
 Every response carries ``x-sim-name: <SimConfig.name>`` so tests can see which engine answered.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backends.sim.agent_routes import AgentHandlers
 from backends.sim.config import SimConfig
 from backends.sim.engine import EngineStats, RequestUsage, SimEngine, Sleep
 from backends.sim.faults import FaultsPatch
@@ -44,45 +45,13 @@ from backends.sim.protocol import (
     sse,
     usage_chunk,
 )
-from backends.sim.text import OutputPlan, plan_output
+from backends.sim.running import break_after, run_to_end, start, until_disconnect
+from backends.sim.text import OutputPlan
 
-T = TypeVar("T")
 NAME_HEADER = "x-sim-name"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class SimulatedCrash(RuntimeError):
-    """Raised in a streamed body so the server breaks the connection (``die_mid_stream_after`` fault)."""
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[bool, T | None]:
-    """Run ``work`` unless the client goes away first; returns (completed, result)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watcher):
-            pending.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        return False, None
-    return True, task.result()
-
-
-async def _break_after(chunks: AsyncGenerator[bytes, None], limit: int | None) -> AsyncGenerator[bytes, None]:
-    async with aclosing(chunks):
-        sent = 0
-        async for chunk in chunks:
-            if limit is not None and sent >= limit:
-                raise SimulatedCrash(f"simulated engine death after {limit} chunks")
-            yield chunk
-            sent += 1
+RESPONSE_PATH_PREFIX = "/v1/responses/"
+RESPONSE_PATH = RESPONSE_PATH_PREFIX + "{response_id}"
 
 
 def error_response(error: SimError) -> JSONResponse:
@@ -108,43 +77,24 @@ class SimHandlers:
     async def _complete(self, request: Request, endpoint: Endpoint) -> Response:
         try:
             req = parse_request(await request.body(), endpoint, self.cfg)
+            plan = await start(self.engine, req)
         except SimError as exc:
             return error_response(exc)
-        faults = self.engine.faults
-        if faults.take_failure():
-            self.engine.stats.injected_failures += 1
-            return error_response(
-                SimError(500, "simulated engine failure", "simulated_failure", "server_error")
-            )
-        if faults.current.stall_s:
-            await asyncio.sleep(faults.current.stall_s)
-        plan = plan_output(
-            req.prompt_text,
-            req.spec,
-            seed=self.cfg.seed,
-            answer_tokens=self.cfg.answer_tokens,
-            reasoning_tokens=self.cfg.reasoning_tokens,
-            repeat_token=faults.current.repeat_token,
-        )
         prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
         head = ResponseHead(
             f"{prefix}-{self.cfg.name}-{next(self._response_ids)}", int(time.time()), req.model, endpoint
         )
         usage = RequestUsage(len(req.prompt_tokens))
         if req.stream:
-            body = _break_after(self._sse(req, plan, usage, head), faults.current.die_mid_stream_after)
+            limit = self.engine.faults.current.die_mid_stream_after
+            body = break_after(self._sse(req, plan, usage, head), limit)
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={"cache-control": "no-cache"}
             )
-        done, _ = await _until_disconnect(request.receive, self._run(req, plan, usage))
+        done, _ = await until_disconnect(request.receive, run_to_end(self.engine, req, plan, usage))
         if not done:
             return Response(status_code=499)
         return JSONResponse(full_response(head, plan, usage, req.spec.thinking))
-
-    async def _run(self, req: SimRequest, plan: OutputPlan, usage: RequestUsage) -> None:
-        async with aclosing(self.engine.generate(req.prompt_tokens, plan, usage)) as pieces:
-            async for _ in pieces:
-                pass
 
     async def _sse(
         self, req: SimRequest, plan: OutputPlan, usage: RequestUsage, head: ResponseHead
@@ -219,7 +169,8 @@ class SimHandlers:
 
 
 class CountAndTag:
-    """Counts requests per route path (unknown paths as ``other``) and adds the engine-name header."""
+    """Counts requests per route path (unknown paths as ``other``; ``/v1/responses/<id>...`` under
+    ``/v1/responses/{response_id}``) and adds the engine-name header."""
 
     def __init__(self, app: ASGIApp, stats: EngineStats, known_paths: frozenset[str], name: str) -> None:
         self.app = app
@@ -232,6 +183,8 @@ class CountAndTag:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        if path.startswith(RESPONSE_PATH_PREFIX):
+            path = RESPONSE_PATH
         self.stats.paths[path if path in self.known_paths else "other"] += 1
 
         async def tagged_send(message: Message) -> None:
@@ -246,7 +199,7 @@ def create_sim_app(cfg: SimConfig, *, sleep: Sleep | None = None) -> Starlette:
     """One simulated engine. ``sleep`` replaces ``asyncio.sleep`` for the modelled delays (tests record them);
     it receives seconds already multiplied by ``cfg.time_scale``."""
     handlers = SimHandlers(SimEngine(cfg, sleep))
-    routes = handlers.routes()
+    routes = [*handlers.routes(), *AgentHandlers(handlers.engine).routes()]
     app = Starlette(routes=routes)
     app.state.engine = handlers.engine
     app.state.registry = handlers.registry

@@ -21,7 +21,8 @@ def _token_range(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="warmroute sim",
-        description="OpenAI-compatible engine simulator with vLLM-like prefix caching, timing and metrics.",
+        description="Engine simulator (OpenAI chat/completions, Anthropic Messages, OpenAI Responses) with "
+        "vLLM-like prefix caching, timing and metrics.",
         epilog="Per-stream decode speed with R running streams = "
         "decode_tps / (1 + decode_slowdown * (R - 1)). "
         "TTFT = ttft_base_ms/1000 + uncached_prompt_tokens / prefill_tps. "
@@ -77,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish KV cache events (vLLM's format) on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557",
     )
     p.add_argument("--kv-events-topic", default="kv")
+    shapes = p.add_argument_group(
+        "native API shapes (off: 404, as an engine without them; for the translated path)"
+    )
+    shapes.add_argument("--no-messages-api", dest="messages_api", action="store_false",
+                        help="no /v1/messages or /v1/messages/count_tokens")  # fmt: skip
+    shapes.add_argument("--no-responses-api", dest="responses_api", action="store_false",
+                        help="no /v1/responses (nor /v1/responses/{id}...)")  # fmt: skip
+    shapes.add_argument("--no-responses-store", dest="responses_store", action="store_false",
+                        help="ignore 'store' (vLLM's default): previous_response_id and "
+                        "GET /v1/responses/{id} "
+                        "answer 404; on, responses are kept in this process only "
+                        "(vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1)")  # fmt: skip
+    shapes.add_argument("--keep-billing-block", action="store_true",
+                        help="keep a system block starting 'x-anthropic-billing-header' in the prompt (as "
+                        "llama.cpp does); default: drop it before templating (as vLLM does)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true")
     return p
@@ -111,6 +127,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic,
+        messages_api=args.messages_api,
+        responses_api=args.responses_api,
+        responses_store=args.responses_store,
+        keep_billing_block=args.keep_billing_block,
         faults=faults,
     )
 

@@ -66,6 +66,16 @@ class SimConfig:
     - ``prefill_serial``: prefills run one at a time, first come first served (a real engine's prefill
       token budget is shared by the requests in it); the cache is looked up when a prefill starts, so a
       request queued behind the same prefix hits it. Off: every prefill runs in parallel.
+
+    Native API shapes (each off: its routes answer 404, as on an engine without them):
+
+    - ``messages_api``: ``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic Messages, as vLLM).
+    - ``responses_api``: ``/v1/responses`` and ``/v1/responses/{id}`` (OpenAI Responses, as vLLM).
+    - ``responses_store``: keep responses in this process (vLLM with ``VLLM_ENABLE_RESPONSES_API_STORE=1``),
+      so ``previous_response_id`` and ``GET /v1/responses/{id}`` work here and only here. Off: ``store`` is
+      ignored, as vLLM does by default.
+    - ``keep_billing_block``: keep a system block starting ``x-anthropic-billing-header`` in the prompt (as
+      llama.cpp does); off, it is dropped before templating (as vLLM does).
     """
 
     name: str = "sim"
@@ -87,6 +97,10 @@ class SimConfig:
     seed: int = 0
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"
+    messages_api: bool = True
+    responses_api: bool = True
+    responses_store: bool = True
+    keep_billing_block: bool = False
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:

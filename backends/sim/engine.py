@@ -40,6 +40,8 @@ class RequestUsage:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    created_tokens: int = 0  # prompt tokens this request wrote to the prefix cache (vLLM: cache creation)
+    reasoning_tokens: int = 0
 
     def as_openai(self) -> dict[str, Any]:
         return {
@@ -140,6 +142,8 @@ class SimEngine:
         self.stats.prompt_tokens += len(prompt)
         await self._sleep(ttft_seconds(self.cfg, len(prompt) - usage.cached_tokens))
         self.cache.insert(hashes, prompt)
+        stored = next((i for i, block in enumerate(hashes) if block not in self.cache), len(hashes))
+        usage.created_tokens = max(0, min(stored * self.cfg.block_size, len(prompt)) - usage.cached_tokens)
 
     # -- one request ----------------------------------------------------------------------------------------
 
@@ -178,6 +182,7 @@ class SimEngine:
                     await self._sleep(decode_step_seconds(self.cfg, self.num_running))
                 generated.append(text.strip())
                 usage.completion_tokens += 1
+                usage.reasoning_tokens += kind is PieceKind.REASONING
                 self.stats.generation_tokens += 1
                 self._held[request_id] += 1
                 yield kind, text

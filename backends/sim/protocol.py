@@ -19,20 +19,38 @@ REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhig
 class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
+    MESSAGES = "messages"
+    RESPONSES = "responses"
 
 
 class SimError(Exception):
-    """An error answered in OpenAI's shape ``{"error": {"message", "type", "code", "param"}}``."""
+    """An error answered in OpenAI's shape ``{"error": {"message", "type", "code", "param"}}``.
 
-    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error") -> None:
+    ``anthropic_body`` renders the same error in Anthropic's shape, for ``/v1/messages``.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | int,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.kind = kind
+        self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": None}}
+        error = {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}
+        return {"error": error}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = "api_error" if self.kind == "server_error" else self.kind
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 def bad_request(message: str, code: str = "invalid_value") -> SimError:
@@ -53,7 +71,7 @@ class SimRequest:
 # -- request validation ------------------------------------------------------------------------------------
 
 
-def _optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+def optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -64,7 +82,7 @@ def _optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | Non
     return value
 
 
-def _optional_bool(body: Mapping[str, Any], name: str) -> bool | None:
+def optional_bool(body: Mapping[str, Any], name: str) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise bad_request(f"'{name}' must be a boolean")
@@ -80,7 +98,7 @@ def _thinking(body: Mapping[str, Any], cfg: SimConfig) -> bool:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise bad_request("'chat_template_kwargs' must be an object")
-    enable = _optional_bool(kwargs, "enable_thinking")
+    enable = optional_bool(kwargs, "enable_thinking")
     if enable is False or effort == "none":
         return False
     if enable or effort is not None:
@@ -88,18 +106,26 @@ def _thinking(body: Mapping[str, Any], cfg: SimConfig) -> bool:
     return cfg.reasoning
 
 
+def optional_tools(body: Mapping[str, Any]) -> list[Any] | None:
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("'tools' must be a list")
+    return tools
+
+
 def _prompt(body: Mapping[str, Any], endpoint: Endpoint) -> str:
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise bad_request("'messages' must be a list")
-        add_generation_prompt = _optional_bool(body, "add_generation_prompt")
-        continue_final = _optional_bool(body, "continue_final_message") or False
+        add_generation_prompt = optional_bool(body, "add_generation_prompt")
+        continue_final = optional_bool(body, "continue_final_message") or False
         try:
             return render_chat(
                 messages,
                 add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
                 continue_final_message=continue_final,
+                tools=optional_tools(body),
             )
         except TemplateError as exc:
             raise bad_request(str(exc)) from exc
@@ -113,47 +139,56 @@ def _prompt(body: Mapping[str, Any], endpoint: Endpoint) -> str:
     raise bad_request("'prompt' must be a string, a list of token ids, or a list holding one of those")
 
 
-def _model(body: Mapping[str, Any], cfg: SimConfig) -> str:
+def model_of(body: Mapping[str, Any], cfg: SimConfig) -> str:
     model = body.get("model", cfg.models[0])
     if model not in cfg.models:
         raise SimError(404, f"The model `{model}` does not exist.", "model_not_found", "not_found_error")
     return str(model)
 
 
-def parse_request(raw: bytes, endpoint: Endpoint, cfg: SimConfig) -> SimRequest:
+def json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise bad_request(f"invalid JSON body: {exc}", "invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request("the JSON body must be an object", "invalid_json")
-    model = _model(body, cfg)
-    if (_optional_int(body, "n", 1) or 1) > 1:
-        raise bad_request("the simulator supports n=1 only")
-    stream = _optional_bool(body, "stream") or False
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping):
-        raise bad_request("'stream_options' must be an object")
-    include_usage = bool(stream and _optional_bool(options, "include_usage"))
-    prompt_text = _prompt(body, endpoint)
-    prompt_tokens = tuple(tokenize(prompt_text))
-    max_tokens = _optional_int(body, "max_completion_tokens", 1) or _optional_int(body, "max_tokens", 1)
-    max_tokens = max_tokens or cfg.default_max_tokens
-    if len(prompt_tokens) + max_tokens > cfg.max_model_len:
+    return body
+
+
+def check_context(prompt_tokens: int, max_tokens: int, cfg: SimConfig) -> None:
+    if prompt_tokens + max_tokens > cfg.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-            f"{len(prompt_tokens) + max_tokens} tokens ({len(prompt_tokens)} in the messages, "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
             f"{max_tokens} in the completion).",
             "context_length_exceeded",
         )
+
+
+def parse_request(raw: bytes, endpoint: Endpoint, cfg: SimConfig) -> SimRequest:
+    body = json_object(raw)
+    model = model_of(body, cfg)
+    if (optional_int(body, "n", 1) or 1) > 1:
+        raise bad_request("the simulator supports n=1 only")
+    stream = optional_bool(body, "stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise bad_request("'stream_options' must be an object")
+    include_usage = bool(stream and optional_bool(options, "include_usage"))
+    prompt_text = _prompt(body, endpoint)
+    prompt_tokens = tuple(tokenize(prompt_text))
+    max_tokens = optional_int(body, "max_completion_tokens", 1) or optional_int(body, "max_tokens", 1)
+    max_tokens = max_tokens or cfg.default_max_tokens
+    check_context(len(prompt_tokens), max_tokens, cfg)
     is_chat = endpoint is Endpoint.CHAT
     spec = OutputSpec(
         max_tokens=max_tokens,
-        min_tokens=_optional_int(body, "min_tokens", 0) or 0,
-        ignore_eos=_optional_bool(body, "ignore_eos") or False,
+        min_tokens=optional_int(body, "min_tokens", 0) or 0,
+        ignore_eos=optional_bool(body, "ignore_eos") or False,
         thinking=is_chat and _thinking(body, cfg),
-        thinking_budget=_optional_int(body, "thinking_token_budget", 0),
-        request_seed=_optional_int(body, "seed", -(2**63)),
+        thinking_budget=optional_int(body, "thinking_token_budget", 0),
+        request_seed=optional_int(body, "seed", -(2**63)),
     )
     return SimRequest(endpoint, model, prompt_text, prompt_tokens, stream, include_usage, spec)
 

@@ -10,6 +10,9 @@ Chat template (ChatML-like, so turn N+1 renders as turn N's prompt plus more tex
     <|im_start|>{role}\\n{content}<|im_end|>\\n      # 3 tokens + content tokens per message
     <|im_start|>assistant\\n                         # generation prompt: 2 tokens
 
+Tools (the request's ``tools``, when present) render as one ``tools`` message holding their sorted JSON, right
+after a leading system message (or first): system, then tools, then the conversation, as chat templates do.
+
 Content is a string or a list of parts: text parts are joined by newlines; any other part (``image_url``,
 ``image_embeds``, ``input_audio``, ...) becomes ``media_token_count`` distinct ``<|media_<hash>_<i>|>``
 tokens, where the hash is taken over the part's payload (the URL for ``image_url``) — so the same image gives
@@ -100,13 +103,20 @@ def _render_message(message: Any) -> tuple[str, str]:
 
 
 def render_chat(
-    messages: Sequence[Any], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+    messages: Sequence[Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: Sequence[Any] | None = None,
 ) -> str:
     """Render messages to the prompt string. With ``continue_final_message`` the last (assistant) message
     stays open, so generation continues it (Qwen's thinking-budget trick relies on this)."""
     if not messages:
         raise TemplateError("messages must not be empty")
     rendered = [_render_message(m) for m in messages]
+    if tools:
+        at = 1 if rendered[0][0] == "system" else 0
+        rendered.insert(at, ("tools", json.dumps(list(tools), sort_keys=True, default=str)))
     out: list[str] = []
     for index, (role, body) in enumerate(rendered):
         is_open = continue_final_message and index == len(rendered) - 1
