@@ -58,7 +58,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     runs.add_argument("--scenario", metavar="NAMES",
                       help="routing v2 scenarios instead (comma-separated, or 'all'): "
                       + ", ".join([*bench_scenarios.SCENARIOS, *bench_neighbours.SCENARIOS,
-                                   *bench_fairness.SCENARIOS, *bench_agents.SCENARIOS, "agents"]))  # fmt: skip
+                                   *bench_fairness.SCENARIOS, *bench_agents.SCENARIOS,
+                                   "agents"]))  # fmt: skip
     runs.add_argument("--variants", metavar="LIST",
                       help="scenarios: variants to run instead of the scenario's own, e.g. "
                       "'ttft,ttft@load_share=2;stay_margin=0.5,oracle'")  # fmt: skip
