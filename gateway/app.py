@@ -44,7 +44,7 @@ from gateway.proxy import Proxy
 from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_store import RedisAffinityStore
-from gateway.shapes.base import ApiShape
+from gateway.shapes.base import OPENAI_ERRORS, ApiShape
 from gateway.shapes.table import PASSTHROUGH, SHAPES
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
@@ -55,6 +55,7 @@ from gateway.waiting import WaitingRoom
 from routing.params import RoutingParams
 from routing.policies import make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
+from routing.policies.unpinned import UnpinnedPolicy
 
 log = logging.getLogger("warmroute")
 
@@ -317,13 +318,15 @@ def create_app(
     def endpoint(shape: ApiShape) -> Endpoint:
         limits = settings.limits
         policy = gw.policy if shape.key is not None else LeastLoadedPolicy()  # no conversations: least loaded
+        if not shape.pins:
+            policy = UnpinnedPolicy(policy)  # where its conversation is, never pinning (a token count)
         args = (shape, gw.proxy, settings.routing, max_body, policy, gw.budgets)
         return Endpoint(*args, limits.max_json_values, gw.body_budget)
 
     served = {shape.path: endpoint(shape) for shape in shapes}  # one endpoint per shape, holding it
     limits = settings.limits
     passthrough = Passthrough(
-        frozenset({*served, "/v1/models"}),
+        {**{path: ep.shape.errors for path, ep in served.items()}, "/v1/models": OPENAI_ERRORS},
         PASSTHROUGH,
         gw.proxy,
         settings.routing,
@@ -397,7 +400,8 @@ def create_app(
     hot: dict[tuple[str, str], ASGIApp] = {("POST", path): ep for path, ep in shape_paths(served)}
     log_admin_access(access)
     clients = ClientKeys(settings.auth.keys())
-    return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
+    errors = {path: ep.shape.errors for path, ep in served.items()}  # a refusal on a route, in its shape
+    return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts, errors)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,19 @@ from __future__ import annotations
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse
 from gateway.shapes.chat import CHAT
 from gateway.shapes.completions import COMPLETIONS
+from gateway.shapes.messages import COUNT_TOKENS, MESSAGES
 from gateway.shapes.passthrough import PASSTHROUGH
 
-SHAPES: tuple[ApiShape, ...] = (CHAT, COMPLETIONS)
+SHAPES: tuple[ApiShape, ...] = (CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS)
 
-__all__ = ["CHAT", "COMPLETIONS", "PASSTHROUGH", "SHAPES", "ApiShape", "ErrorShape", "ThinkingUse"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "COUNT_TOKENS",
+    "MESSAGES",
+    "PASSTHROUGH",
+    "SHAPES",
+    "ApiShape",
+    "ErrorShape",
+    "ThinkingUse",
+]
