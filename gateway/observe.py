@@ -93,6 +93,7 @@ class ResponseTap:
         "_content",
         "_events",
         "_head",
+        "_key",
         "_plain",
         "_seeking",
         "_tail",
@@ -100,7 +101,8 @@ class ResponseTap:
         "events",
     )
 
-    def __init__(self, reply: bool = False) -> None:
+    def __init__(self, reply: bool = False, reply_key: bytes = _CONTENT) -> None:
+        self._key = reply_key  # the JSON key of the reply's text (the shape's ``reply_key``)
         self._tail = b""
         self.events = 0
         self.body_bytes = 0
@@ -164,10 +166,10 @@ class ResponseTap:
         self._seen_enough()
 
     def _look_into(self, event: Event) -> None:
-        raw = event.raw  # ``find``, not ``in`` (gateway/sse.py says why)
-        if raw.find(_CONTENT) >= 0 or raw.find(_ARGUMENTS) >= 0:
+        raw, key = event.raw, self._key  # ``find``, not ``in`` (gateway/sse.py says why)
+        if raw.find(key) >= 0 or raw.find(_ARGUMENTS) >= 0:
             for line in event.lines():
-                if line.find(_CONTENT) >= 0 or line.find(_ARGUMENTS) >= 0:
+                if line.find(key) >= 0 or line.find(_ARGUMENTS) >= 0:
                     self._take(line)
 
     def _seen_enough(self) -> None:
@@ -176,9 +178,10 @@ class ResponseTap:
             self._events = None
 
     def _take(self, line: bytes) -> None:
-        at = line.find(_CONTENT)
+        key = self._key
+        at = line.find(key)
         if at >= 0:  # a content delta: decode only its string, not the whole event (the common case)
-            text = _string_at(line[at + len(_CONTENT) :])
+            text = _string_at(line[at + len(key) :])
             if text is not None:
                 self._content += text
                 return
@@ -192,6 +195,39 @@ class ResponseTap:
             return
         if isinstance(arguments, str) and isinstance(call, dict) and call.get("index", 0) == 0:
             self._args += arguments
+
+
+class HeadTap(ResponseTap):
+    """A tap that also keeps the answer's first ``head`` bytes, for shapes whose usage is split between the
+    first event and the last (Anthropic's ``message_start`` and ``message_delta``). A subclass, so the
+    shapes that need no head pay nothing for it."""
+
+    __slots__ = ("_first", "_room")
+
+    def __init__(self, head: int, reply: bool = False, reply_key: bytes = _CONTENT) -> None:
+        super().__init__(reply, reply_key)
+        self._first = b""
+        self._room = head
+
+    def feed(self, chunk: bytes) -> None:
+        if self._room:
+            self._keep(chunk)
+        super().feed(chunk)
+
+    def take(self, pieces: list[Piece]) -> None:
+        if self._room:
+            self._keep(b"".join(p.raw for p in pieces))
+        super().take(pieces)
+
+    def usage(self, read: Callable[[bytes], Usage | None] | None = None) -> Usage | None:
+        """The head, then the tail: both in one buffer for ``read`` (repeated bytes where they overlap)."""
+        data = self._first + b"\n" + self._tail if self._first else self._tail
+        return parse_usage(data) if read is None else read(data)
+
+    def _keep(self, chunk: bytes) -> None:
+        kept = chunk[: self._room]
+        self._first += kept
+        self._room -= len(kept)
 
 
 def _string_at(rest: bytes) -> str | None:
@@ -215,8 +251,10 @@ def _string_at(rest: bytes) -> str | None:
 def _plain_reply(head: bytes) -> str | None:
     """The first message's reply text in a (possibly cut) JSON chat-completion body."""
     try:
-        message = json.loads(head)["choices"][0]["message"]
-    except (ValueError, LookupError, TypeError):
+        doc = json.loads(head)
+        # A chat completion's first choice; else a message whose ``content`` is blocks (Anthropic's).
+        message = doc if isinstance(doc.get("content"), list) else doc["choices"][0]["message"]
+    except (ValueError, LookupError, TypeError, AttributeError):
         at = head.find(_CONTENT)
         if at < 0:
             return None
