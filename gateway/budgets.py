@@ -133,11 +133,14 @@ class BudgetStep:
             return
         dialect = backend.cfg.dialect
         if gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking):
+            why = (
+                f"dialect {dialect} has no native cap"
+                if backend.cfg.budget_enforcement is BudgetEnforcement.AUTO
+                else f"it is configured budget_enforcement: {backend.cfg.budget_enforcement}"
+            )
             raise BudgetNotEnforceable(
-                f"backend {backend.id} (dialect {dialect}, budget_enforcement "
-                f"{backend.cfg.budget_enforcement}) cannot cap thinking on {ctx.shape.path}, and the "
-                "gateway enforces budgets on chat completions only; send it to /v1/chat/completions, or "
-                "leave the budget to the engine (budget_enforcement: auto)",
+                f"backend {backend.id} would need the gateway to cap thinking on {ctx.shape.path} ({why}), "
+                "and the gateway enforces budgets on chat completions only; send it to /v1/chat/completions",
                 param="thinking",
             )
         spell = ctx.shape.thinking_spell
