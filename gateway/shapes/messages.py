@@ -83,11 +83,11 @@ def validate_count(body: dict[str, Any]) -> str:
         role = msg.get("role")
         if role not in ROLES:
             raise BadRequest(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
-        _check_blocks(msg.get("content"), f"{where}.content", head=in_head, required=True)
+        _check_blocks(msg.get("content"), f"{where}.content", head=in_head)
         in_head = in_head and role != "user"
     system = body.get("system")
     if system is not None:
-        _check_blocks(system, "system", head=True, required=True, text_only=True)
+        _check_blocks(system, "system", head=True, text_only=True)
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise BadRequest("'metadata' must be an object", param="metadata")
@@ -96,14 +96,14 @@ def validate_count(body: dict[str, Any]) -> str:
     return model
 
 
-def _check_blocks(content: Any, where: str, *, head: bool, required: bool, text_only: bool = False) -> None:
+def _check_blocks(content: Any, where: str, *, head: bool, text_only: bool = False) -> None:
     """A string, or an array of blocks (objects with a string ``type``); in the head, no lone surrogates in
     what the key hashes."""
     if isinstance(content, str):
         if head:
             check_text(content, where)
         return
-    if not isinstance(content, list) or (required and content is None):
+    if not isinstance(content, list):
         kinds = "text blocks" if text_only else "content blocks"
         raise BadRequest(f"'{where}' must be a string or an array of {kinds}", param=where)
     for j, block in enumerate(content):
@@ -119,6 +119,10 @@ def _check_blocks(content: Any, where: str, *, head: bool, required: bool, text_
                 raise BadRequest(f"'{at}.text' must be a string", param=f"{at}.text")
             if head:
                 check_text(text, f"{at}.text")
+        elif kind == "image" and head and isinstance(block.get("source"), dict):
+            for name, value in block["source"].items():  # the key hashes the URL or the data
+                if isinstance(value, str):
+                    check_text(value, f"{at}.source.{name}"[:200])
 
 
 def key(body: dict[str, Any], model: str, routing: RoutingConfig) -> str:
