@@ -12,10 +12,15 @@ from typing import Any
 import httpx
 import pytest
 from messages_engine import COUNTED, AnthropicEngine
+from starlette.types import Message
 
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
+from gateway.errors import NoHealthyBackend
+from gateway.relay import send_error
+from gateway.shapes.anthropic_errors import ANTHROPIC_ERRORS
 from gateway.shapes.messages import usage
+from gateway.waiting import EarlyHeadSend
 from routing.keys import messages_key
 
 from clusters import ClusterFactory
@@ -372,3 +377,25 @@ def test_embeds_only_backends_refuse_image_blocks_with_a_clear_400() -> None:
         assert "image embeddings" in message and "/v1/chat/completions" in message
         assert post(url, turn1()).status_code == 200  # text goes there as ever
     assert len(engine.requests) == 1
+
+
+# -- a stream that waited for an on-demand engine ------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_error_after_an_early_stream_head_ends_the_stream_in_anthropic_s_shape() -> None:
+    sent: list[Message] = []
+
+    async def out(message: Message) -> None:
+        sent.append(message)
+
+    send = EarlyHeadSend(out, ANTHROPIC_ERRORS)
+    await send.head()
+    await send_error(send, NoHealthyBackend("backend a failed to start: boom"), ANTHROPIC_ERRORS)
+    end = sent[-1]["body"]
+    assert end.startswith(b"event: error\ndata: ") and end.endswith(b"\n\n") and b"[DONE]" not in end
+    error = json.loads(end.removeprefix(b"event: error\ndata: "))
+    assert error == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "HTTP 503: backend a failed to start: boom"},
+    }
