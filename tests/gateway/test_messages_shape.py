@@ -399,3 +399,13 @@ async def test_an_error_after_an_early_stream_head_ends_the_stream_in_anthropic_
         "type": "error",
         "error": {"type": "overloaded_error", "message": "HTTP 503: backend a failed to start: boom"},
     }
+
+
+def test_the_admin_dry_run_keys_a_messages_body_as_the_endpoint_does(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[AnthropicEngine("a")])
+    for path in (MSG, COUNT):
+        r = httpx.post(c.url + "/admin/route/explain", json={"path": path, "body": turn1()})
+        assert r.status_code == 200, r.text
+        assert r.json()["key"] == messages_key(turn1())
+    bad = httpx.post(c.url + "/admin/route/explain", json={"path": MSG, "body": {"model": "m", "messages": []}})
+    assert bad.status_code == 400 and "max_tokens" in bad.text
