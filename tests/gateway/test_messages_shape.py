@@ -407,5 +407,6 @@ def test_the_admin_dry_run_keys_a_messages_body_as_the_endpoint_does(cluster: Cl
         r = httpx.post(c.url + "/admin/route/explain", json={"path": path, "body": turn1()})
         assert r.status_code == 200, r.text
         assert r.json()["key"] == messages_key(turn1())
-    bad = httpx.post(c.url + "/admin/route/explain", json={"path": MSG, "body": {"model": "m", "messages": []}})
+    sample = {"path": MSG, "body": {"model": "m", "messages": []}}
+    bad = httpx.post(c.url + "/admin/route/explain", json=sample)
     assert bad.status_code == 400 and "max_tokens" in bad.text
