@@ -46,7 +46,7 @@ def play(client: anthropic.Anthropic, engines: list[VllmEngine], tag: str) -> li
         if n % 2:
             with client.messages.with_streaming_response.create(messages=messages, stream=True, **args) as r:
                 backend, route = r.headers[BACKEND_HEADER], r.headers[ROUTE_HEADER]
-                events = r.text
+                events = r.text()
             assert "event: message_start" in events and "event: message_stop" in events
             text = "streamed"  # the reply's exact text does not matter: the next turn resends what it is
         else:
@@ -56,7 +56,7 @@ def play(client: anthropic.Anthropic, engines: list[VllmEngine], tag: str) -> li
             assert message.usage.input_tokens > 0 and message.stop_reason in ("end_turn", "max_tokens")
             text = "".join(b.text for b in message.content if b.type == "text") or "ok"
         after = caches(engines)
-        counted = client.messages.count_tokens.with_raw_response(
+        counted = client.messages.with_raw_response.count_tokens(
             model=MODEL, system=system, messages=messages, extra_body=NO_THINKING
         )
         assert counted.parse().input_tokens > 0

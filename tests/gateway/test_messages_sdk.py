@@ -44,8 +44,8 @@ def test_messages_streams_and_counts_through_the_sdk_stay_with_their_conversatio
         final = stream.get_final_message()
     assert text == f"{home}-0 {home}-1 {home}-2 "
     assert (final.stop_reason, final.usage.output_tokens) == ("end_turn", 4)
-    counted = sdk.messages.count_tokens(model="m", system="agent", messages=follow)
-    assert counted.input_tokens == COUNTED
+    counted = sdk.messages.with_raw_response.count_tokens(model="m", system="agent", messages=follow)
+    assert (counted.parse().input_tokens, counted.headers["x-warmroute-route"]) == (COUNTED, "affinity_hit")
     assert len(c.engines[home].requests) == 3  # every turn, and the count, on the conversation's engine
     assert c.engines["b" if home == "a" else "a"].requests == []
 
