@@ -131,12 +131,12 @@ class BudgetStep:
         thinking = ctx.thinking
         if thinking is None:
             return
-        dialect = backend.cfg.dialect
-        if gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking):
+        dialect, mode = backend.cfg.dialect, backend.cfg.budget_enforcement
+        if _needs_gateway(mode, ctx.shape.name in DIALECTS[dialect].capped_shapes, thinking):
             why = (
-                f"dialect {dialect} has no native cap"
-                if backend.cfg.budget_enforcement is BudgetEnforcement.AUTO
-                else f"it is configured budget_enforcement: {backend.cfg.budget_enforcement}"
+                f"dialect {dialect} does not cap it on this route"
+                if mode is BudgetEnforcement.AUTO
+                else f"it is configured budget_enforcement: {mode}"
             )
             raise BudgetNotEnforceable(
                 f"backend {backend.id} would need the gateway to cap thinking on {ctx.shape.path} ({why}), "
@@ -149,6 +149,14 @@ class BudgetStep:
         if field is not None:
             draft.edit()[field[0]] = field[1]
         self.metrics.budget_attempt("off" if thinking.off else "native")
+
+
+def _needs_gateway(mode: BudgetEnforcement, capped: bool, thinking: Thinking) -> bool:
+    """A positive cap on a shape's own field needs the gateway where the engine's route does not cap it
+    (``capped``: ``EngineDialect.capped_shapes``) or the backend says the gateway enforces."""
+    if not thinking.budget:
+        return False
+    return mode is BudgetEnforcement.GATEWAY or (mode is BudgetEnforcement.AUTO and not capped)
 
 
 class BudgetNotEnforceable(BadRequest):
