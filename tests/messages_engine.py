@@ -34,6 +34,7 @@ COUNTED = 42  # what the token count answers
 class AnthropicEngine(FakeEngine):
     pad: int = 0
     stop_reason: str = "end_turn"
+    repeat: str | None = None  # every text delta is this (a degenerate engine)
 
     def app(self) -> Starlette:  # type: ignore[override]
         routes: list[BaseRoute] = [
@@ -68,7 +69,7 @@ class AnthropicEngine(FakeEngine):
         return JSONResponse(self.message(body))
 
     def text(self, i: int) -> str:
-        return f"{self.name}-{i} " + "x" * self.pad
+        return self.repeat if self.repeat is not None else f"{self.name}-{i} " + "x" * self.pad
 
     def message(self, body: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -207,6 +207,25 @@ def test_max_tokens_is_counted_as_length(cluster: ClusterFactory) -> None:
     ]
 
 
+def test_the_guard_ends_a_degenerate_stream_of_text_deltas_in_anthropic_s_shape(
+    cluster: ClusterFactory,
+) -> None:
+    c = cluster(
+        engines=[AnthropicEngine("a", chunks=40, repeat=" duct")], guard={"repeat_count": 8, "action": "end"}
+    )
+    r = post(c.url, turn1(stream=True))
+    assert r.status_code == 200
+    head, _, end = r.content.rpartition(b"event: error\ndata: ")
+    assert head.count(b'"text":" duct"') < 8  # the read holding the tripping delta is not sent
+    error = json.loads(end)
+    assert error["type"] == "error" and "output degenerated" in error["error"]["message"]
+    assert b"[DONE]" not in r.content
+    c.wait_idle()
+    assert metric(c.url, "warmroute_output_guard_trips_total") == [
+        'warmroute_output_guard_trips_total{action="end",backend="a"} 1.0'
+    ]
+
+
 # -- errors -------------------------------------------------------------------------------------------------
 
 
@@ -227,7 +246,7 @@ def test_errors_on_the_messages_routes_are_anthropic_s_per_status(cluster: Clust
     chat = httpx.get(c.url + "/v1/chat/completions")
     assert chat.status_code == 405 and chat.json()["error"]["code"] == "method_not_allowed"
     c.stop_engine("a")
-    c.wait_for(lambda: c.gateway.registry.backends["a"].state.value != "healthy", "a down")
+    c.wait_for(lambda: c.gateway.registry.backends["a"].state.value == "down", "a down")
     anthropic_error(post(c.url, turn1()), 503, "overloaded_error")
 
 
