@@ -7,23 +7,26 @@ continuation arguments (gateway/continuation.py), embeds part format (gateway/vi
 and the standard library, so backends/ and gateway/ both read it without a circle.
 
 Facts, read from each engine's own source unless marked:
-- vLLM: budget ``thinking_token_budget`` (top level); ``chat_template_kwargs.enable_thinking: false`` turns
-  thinking off; ``reasoning_effort`` none|minimal|low|medium|high|xhigh|max. Reasoning output in
-  ``reasoning`` (older releases ``reasoning_content``). Continuation: ``continue_final_message: true``,
-  ``add_generation_prompt: false``. Accepts ``image_embeds`` parts (``--enable-mm-embeds``). Serves chat,
-  completions, ``/v1/messages`` and ``/v1/responses`` (measured on vLLM 0.32).
+- vLLM: budget ``thinking_token_budget`` (top level; its Messages route maps ``thinking.budget_tokens`` to
+  it); ``chat_template_kwargs.enable_thinking: false`` turns thinking off; ``reasoning_effort``
+  none|minimal|low|medium|high|xhigh|max. Reasoning output in ``reasoning`` (older releases
+  ``reasoning_content``). Continuation: ``continue_final_message: true``, ``add_generation_prompt: false``.
+  Accepts ``image_embeds`` parts (``--enable-mm-embeds``). Serves chat, completions, ``/v1/messages`` and
+  ``/v1/responses`` (measured on vLLM 0.32).
 - SGLang: budget ``custom_params: {"thinking_budget": N}`` (its ThinkingBudgetLogitProcessor, with
   ``--enable-custom-logit-processor`` or ``--enable-strict-thinking``); ``reasoning_effort`` none|low|medium|
   high. Output ``reasoning_content`` (its ChatMessage/DeltaMessage). Continuation:
   ``continue_final_message`` (a ChatCompletionRequest field; it has no ``add_generation_prompt`` field). No
   ``image_embeds``. Serves chat, completions and ``/v1/messages`` (entrypoints/anthropic); its
-  ``/v1/responses`` is left out here (see below).
+  ``/v1/responses`` is left out here (see below). Its Messages route accepts ``thinking.budget_tokens`` but
+  does not enforce it (it logs so; request_conversion.py): only thinking on/off reaches the engine there.
 - llama.cpp server: budget ``thinking_budget_tokens`` in newer builds, ``reasoning_budget_tokens`` in others:
   both are sent, each build reads its own; ``reasoning_effort: "none"`` disables thinking. Output
   ``reasoning_content``. Continuation: none needed: a trailing assistant message is continued as a prefill
   by default (``--no-prefill-assistant`` turns that off); it does not read ``continue_final_message``. No
-  ``image_embeds``. Serves chat, completions, ``/v1/messages``; ``/v1/responses`` only in newer builds, so it
-  is not counted as native.
+  ``image_embeds``. Serves chat, completions, ``/v1/messages`` (``thinking.budget_tokens`` there becomes
+  ``thinking_budget_tokens``; ``disabled`` and ``adaptive`` are ignored: server-common.cpp
+  ``convert_anthropic_to_oai``); ``/v1/responses`` only in newer builds, so it is not counted as native.
 - openai (a generic OpenAI-compatible server, or OpenAI): no native budget cap (the gateway enforces it) and
   OpenAI's efforts. What the server is remains unknown, so it is read the widest way: every engine's
   ``/metrics`` names and reasoning fields. It keeps vLLM's continuation arguments and embeds format (the
@@ -169,6 +172,9 @@ class EngineDialect:
     #: The shapes on whose endpoint the engine itself drops Claude Code's billing block (a system text block
     #: starting ``x-anthropic-billing-header``) before templating; elsewhere the gateway strips it.
     drops_billing_block: frozenset[ShapeName] = frozenset()
+    #: Shapes whose own thinking field the engine caps on its native route (Anthropic's
+    #: ``thinking.budget_tokens`` on ``/v1/messages``); elsewhere the gateway would have to enforce it.
+    capped_shapes: frozenset[ShapeName] = frozenset()
 
 
 _VLLM_SIGNALS = SignalNames(
@@ -211,6 +217,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         embeds=EmbedsFormat(),
         native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.MESSAGES, ShapeName.RESPONSES},
         drops_billing_block=frozenset({ShapeName.MESSAGES, ShapeName.CHAT}),
+        capped_shapes=frozenset({ShapeName.MESSAGES}),
     ),
     Dialect.SGLANG: EngineDialect(
         budget=BudgetSpelling(
@@ -233,6 +240,7 @@ DIALECTS: Mapping[Dialect, EngineDialect] = MappingProxyType({
         metrics=_LLAMACPP_SIGNALS,
         embeds=None,
         native_shapes=_CHAT_AND_COMPLETIONS | {ShapeName.MESSAGES},
+        capped_shapes=frozenset({ShapeName.MESSAGES}),
     ),
     Dialect.OPENAI: EngineDialect(
         budget=BudgetSpelling(efforts=_OPENAI_EFFORTS, budget_fields=()),

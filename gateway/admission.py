@@ -112,7 +112,7 @@ class AdmissionControl:
     def wrap(self, ctx: RequestContext, send: Send) -> Send:
         if ctx.body is None or ctx.body.get("stream") is not True or isinstance(send, EarlyHeadSend):
             return send
-        return EarlyHeadSend(send)
+        return EarlyHeadSend(send, ctx.shape.errors)
 
     async def enter(self, ctx: RequestContext, send: Send) -> None:
         return None

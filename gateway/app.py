@@ -50,7 +50,7 @@ from gateway.readiness import readyz_endpoint
 from gateway.reasoning import ReasoningRelay
 from gateway.redis_quotas import RedisQuotas
 from gateway.redis_store import RedisAffinityStore
-from gateway.shapes.base import ApiShape
+from gateway.shapes.base import OPENAI_ERRORS, ApiShape
 from gateway.shapes.table import PASSTHROUGH, RESPONSES, SHAPES
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
@@ -63,6 +63,7 @@ from routing.kvindex import KvIndex
 from routing.params import RoutingParams
 from routing.policies import make_policy
 from routing.policies.least_loaded import LeastLoadedPolicy
+from routing.policies.unpinned import UnpinnedPolicy
 from routing.volatile import rules_for
 
 log = logging.getLogger("warmroute")
@@ -388,6 +389,8 @@ def create_app(
     def endpoint(shape: ApiShape) -> Endpoint:
         limits = settings.limits
         policy = gw.policy if shape.key is not None else LeastLoadedPolicy()  # no conversations: least loaded
+        if not shape.pins:
+            policy = UnpinnedPolicy(policy)  # where its conversation is, never pinning (a token count)
         args = (shape, gw.proxy, settings.routing, max_body, policy, gw.budgets)
         return Endpoint(*args, limits.max_json_values, gw.body_budget, identity=identity, keying=gw.metrics)
 
@@ -396,7 +399,7 @@ def create_app(
     served = {shape.path: endpoint(shape) for shape in shapes}  # one endpoint per shape, holding it
     limits = settings.limits
     passthrough = Passthrough(
-        frozenset({*served, "/v1/models"}),
+        {**{path: ep.shape.errors for path, ep in served.items()}, "/v1/models": OPENAI_ERRORS},
         PASSTHROUGH,
         gw.proxy,
         settings.routing,
@@ -481,7 +484,8 @@ def create_app(
     if unknown:  # a typo would leave that key without its quota, silently
         raise ConfigError(f"quotas.keys: {', '.join(unknown)}: no client key of that name (auth.client_keys)")
     clients = ClientKeys(names)
-    return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts)
+    errors = {path: ep.shape.errors for path, ep in served.items()}  # a refusal on a route, in its shape
+    return AccessGuard(HotPath(app, hot), access, clients, gw.metrics.clients.counts, errors)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,11 @@
   ``server``) is that listener's bound address: its port, and its host unless the host is a wildcard
   (0.0.0.0, ::). Never the port alone: another listener may share the port on another address.
 - ``/metrics`` needs the admin token too with ``admin.protect_metrics`` (a 401 as for /admin).
-- ``/v1/*`` needs a client key when ``auth.client_keys`` are configured: a missing or unknown key is a 401
-  in OpenAI's error shape. The key's configured name goes into ``scope["state"]`` (the endpoint puts it on
-  the ``RequestContext``) and into ``warmroute_client_requests_total{client}``. Names come from config
-  only, never from the request.
+- ``/v1/*`` needs a client key when ``auth.client_keys`` are configured, as ``Authorization: Bearer <key>``
+  or (Anthropic's clients) ``x-api-key: <key>``: a missing or unknown key is a 401 in the route's error
+  shape (Anthropic's on /v1/messages, else OpenAI's). The key's configured name goes into
+  ``scope["state"]`` (the endpoint puts it on the ``RequestContext``) and into
+  ``warmroute_client_requests_total{client}``. Names come from config only, never from the request.
 - Scopes: ``http`` is checked as above, ``lifespan`` passes, a ``websocket`` is closed before it is
   accepted (the gateway serves none, and nothing may reach the app unchecked), any other type is an error.
 
@@ -31,6 +32,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from config.settings import ConfigError, Settings
 from gateway.errors import GatewayError, NotFound
+from gateway.shapes.base import OPENAI_ERRORS, ErrorShape
 
 log = logging.getLogger("warmroute.auth")
 
@@ -89,6 +92,15 @@ def bearer(scope: Scope) -> bytes | None:
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
             return None
+    return None
+
+
+def api_key(scope: Scope) -> bytes | None:
+    """The value of an ``x-api-key`` header (how Anthropic's clients send their key), or None."""
+    for name, value in scope["headers"]:
+        if name == b"x-api-key":
+            token = bytes(value).strip()
+            return token or None
     return None
 
 
@@ -252,10 +264,19 @@ class ClientKeys:
 class AccessGuard:
     """The outermost ASGI app: admin auth for ``/admin``, client keys for ``/v1``, the admin-port split."""
 
-    def __init__(self, app: ASGIApp, admin: AdminAccess, clients: ClientKeys, counts: dict[str, int]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        admin: AdminAccess,
+        clients: ClientKeys,
+        counts: dict[str, int],
+        errors: Mapping[str, ErrorShape] | None = None,
+    ) -> None:
+        """``errors``: the error shape of each served route (path -> shape); others answer OpenAI's."""
         self.app = app
         self.admin = admin
         self.clients = clients
+        self.errors = dict(errors or {})
         self.counts = counts  # warmroute_client_requests_total, by configured name
         for name in clients.names:
             counts.setdefault(name, 0)
@@ -276,7 +297,7 @@ class AccessGuard:
             raise RuntimeError(f"unsupported ASGI scope type {kind!r}")
         error = self._check(scope)
         if error is not None:
-            await reject(send, error)
+            await reject(send, error, self.errors.get(scope["path"].rstrip("/"), OPENAI_ERRORS))
             return
         await self.app(scope, receive, send)
 
@@ -295,9 +316,9 @@ class AccessGuard:
         return None
 
     def _client(self, scope: Scope) -> GatewayError | None:
-        token = bearer(scope)
+        token = bearer(scope) or api_key(scope)
         if token is None:
-            return Unauthorized("missing API key: send Authorization: Bearer <key>")
+            return Unauthorized("missing API key: send Authorization: Bearer <key> (or x-api-key: <key>)")
         name = self.clients.identify(token)
         if name is None:
             return Unauthorized("incorrect API key provided")
@@ -306,9 +327,9 @@ class AccessGuard:
         return None
 
 
-async def reject(send: Send, err: GatewayError) -> None:
-    payload = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+async def reject(send: Send, err: GatewayError, errors: ErrorShape = OPENAI_ERRORS) -> None:
+    payload = errors.body(err)
+    headers = [(b"content-type", errors.content_type), (b"content-length", str(len(payload)).encode())]
     if err.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

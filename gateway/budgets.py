@@ -28,7 +28,7 @@ from gateway.continuation import shape_phase1
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
 from gateway.shapes.base import ThinkingUse
-from gateway.thinking import Thinking
+from gateway.thinking import BudgetAsk, Thinking
 
 BUDGET_FIELD = "thinking_budget"
 EFFORT_FIELD = "reasoning_effort"
@@ -63,15 +63,20 @@ class BudgetPolicy:
         """The request's thinking budget, ``None`` if it asks for nothing, or ``BadRequest``."""
         budget = _budget(body, _header(headers, self.budget_header), self.cfg.budget_header)
         effort = _effort(body, _header(headers, self.effort_header), self.cfg.effort_header)
-        mcfg = self.model(model)
-        if budget is not None and mcfg.max_budget is not None and budget > mcfg.max_budget:
-            raise BadRequest(
-                f"'{BUDGET_FIELD}' must be between 0 and {mcfg.max_budget} for model {model!r}, got {budget}",
-                param=BUDGET_FIELD,
-            )
         _check_agreement(budget, effort)
         if budget is not None:
             _check_room(body, budget)
+        return self.decide(BudgetAsk(budget, effort, BUDGET_FIELD), model)
+
+    def decide(self, ask: BudgetAsk, model: str | None) -> Thinking | None:
+        """A validated ask resolved against the model's configuration (its ``max_budget`` is a 400)."""
+        budget, effort = ask.budget, ask.effort
+        mcfg = self.model(model)
+        if budget is not None and mcfg.max_budget is not None and budget > mcfg.max_budget:
+            raise BadRequest(
+                f"'{ask.param}' must be between 0 and {mcfg.max_budget} for model {model!r}, got {budget}",
+                param=ask.param,
+            )
         if not mcfg.thinks:
             return None
         explicit = budget is not None
@@ -120,6 +125,9 @@ class BudgetStep:
             self._effort(ctx, backend, draft)
             return
         thinking = ctx.thinking
+        if ctx.shape.thinking_ask is not None:
+            self._own_fields(ctx, backend, draft)
+            return
         body = draft.read()
         if thinking is None:
             if body is not None and BUDGET_FIELD in body:
@@ -147,6 +155,35 @@ class BudgetStep:
             write_path(draft.edit(), path, wanted)
         self.metrics.budget_attempt("off" if thinking.off else "native")
 
+    def _own_fields(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
+        """A shape with its own thinking fields (Anthropic's ``thinking``): the client's go to the engine as
+        sent, its native route caps them; a budget the gateway derived is written by the shape.
+
+        Seam: where the gateway would have to enforce the cap itself (``budget_enforcement: gateway``, or a
+        dialect without a native cap), its two phases continue chat completions; this attempt would first
+        have to be translated to chat (gateway/translate). Until then it is refused, never sent uncapped."""
+        thinking = ctx.thinking
+        if thinking is None:
+            return
+        dialect, mode = backend.cfg.dialect, backend.cfg.budget_enforcement
+        if _needs_gateway(mode, ctx.shape.name in DIALECTS[dialect].capped_shapes, thinking):
+            why = (
+                f"dialect {dialect} does not cap it on this route"
+                if mode is BudgetEnforcement.AUTO
+                else f"it is configured budget_enforcement: {mode}"
+            )
+            raise BudgetNotEnforceable(
+                f"backend {backend.id} would need the gateway to cap thinking on {ctx.shape.path} ({why}), "
+                "and the gateway enforces budgets on chat completions only; send it to /v1/chat/completions",
+                param="thinking",
+            )
+        spell = ctx.shape.thinking_spell
+        body = draft.read()
+        field = None if spell is None or body is None else spell(body, thinking)
+        if field is not None:
+            draft.edit()[field[0]] = field[1]
+        self.metrics.budget_attempt("off" if thinking.off else "native")
+
 
 def read_path(body: dict[str, Any] | None, path: tuple[str, ...]) -> Any:
     """The value at ``path`` in nested objects, or None where any step is absent or not an object."""
@@ -172,6 +209,18 @@ def write_path(body: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     copy = dict(inner) if isinstance(inner, dict) else {}
     write_path(copy, rest, value)
     body[name] = copy
+
+
+def _needs_gateway(mode: BudgetEnforcement, capped: bool, thinking: Thinking) -> bool:
+    """A positive cap on a shape's own field needs the gateway where the engine's route does not cap it
+    (``capped``: ``EngineDialect.capped_shapes``) or the backend says the gateway enforces."""
+    if not thinking.budget:
+        return False
+    return mode is BudgetEnforcement.GATEWAY or (mode is BudgetEnforcement.AUTO and not capped)
+
+
+class BudgetNotEnforceable(BadRequest):
+    code = "budget_not_enforceable"
 
 
 def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinking) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -18,7 +19,7 @@ from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
 from gateway.identity import HEAD, Identity, KeyingMetrics, SessionIdentity
 from gateway.inbound import MAX_JSON_VALUES, BodyBudget, Charge, ClientGone, parse_object, read_body
 from gateway.proxy import Proxy
-from gateway.shapes.base import ApiShape, ThinkingUse
+from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse
 from gateway.shapes.responses import check_response_id
 from routing.policies import Policy
 from routing.volatile import rules_for
@@ -72,18 +73,22 @@ class Endpoint:
                 ctx = self.context(scope, raw)
                 self.record(ctx)
             except GatewayError as err:
-                await self.proxy.reject(send, err, self.shape.errors)
+                await self.proxy.reject(send, err, self.errors_for(scope))
                 return
             except ClientGone:
                 return
             except Exception as exc:  # a defect of ours: one log line with the trace, a shaped 500
                 log.exception("unexpected error reading %s %s", scope["method"], scope["path"], exc_info=exc)
                 internal = GatewayError("internal error in the gateway; see its log")
-                await self.proxy.reject(send, internal, self.shape.errors)
+                await self.proxy.reject(send, internal, self.errors_for(scope))
                 return
             await self.proxy.forward(receive, send, ctx)
         finally:
             charge.release()
+
+    def errors_for(self, scope: Scope) -> ErrorShape:
+        """The error shape a refusal of this request is answered in."""
+        return self.shape.errors
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
         """The shape's own fields validated, its conversation keyed (a session identity wins), its budget
@@ -104,7 +109,10 @@ class Endpoint:
         ctx = self.make(scope, shape.path, raw, body, model, key)
         ctx.identity = identity
         if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
-            ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400, here
+            if shape.thinking_ask is not None:  # the shape's own fields (validated by ``shape.validate``)
+                ctx.thinking = self.budgets.decide(shape.thinking_ask(body), model)
+            else:
+                ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400
         elif shape.thinking is ThinkingUse.EFFORT and self.budgets is not None:
             self.budgets.refuse(body)  # no token cap on this shape
             ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, scope["headers"], model)
@@ -138,13 +146,16 @@ class Passthrough(Endpoint):
     """Any other /v1/* route (embeddings, responses, files, ...): the least loaded backend serving the model.
 
     The body is forwarded untouched (``body`` stays None: prepare steps leave these routes alone); only its
-    ``model`` is read, to pick a backend that serves it. ``owned``: the paths other endpoints serve (a
-    wrong method there is a 405, never a forward).
+    ``model`` is read, to pick a backend that serves it. ``owned``: the paths other endpoints serve, with
+    their error shapes (a wrong method there is a 405 in that route's shape, never a forward).
     """
 
-    def __init__(self, owned: frozenset[str], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, owned: Mapping[str, ErrorShape], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.owned = owned
+        self.owned = dict(owned)
+
+    def errors_for(self, scope: Scope) -> ErrorShape:
+        return self.owned.get(scope["path"].rstrip("/"), self.shape.errors)
 
     def context(self, scope: Scope, raw: bytes) -> RequestContext:
         method = scope["method"]

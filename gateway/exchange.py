@@ -37,7 +37,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.not_found import relay_404
-from gateway.observe import ResponseTap
+from gateway.observe import HeadTap, ResponseTap
 from gateway.outcomes import RequestOutcome
 from gateway.phases import BodyFilter, BodyFilterBase, BodyFilters
 from gateway.relay import (
@@ -126,7 +126,11 @@ class Relay:
         assert ctx.attempt is not None
         out = [f for m in self.factories if (f := m.body_filter(ctx, ctx.attempt, status, sse)) is not None]
         if self.tap:
-            ctx.tap = ResponseTap(reply=ctx.route is not None and ctx.route.first_turn, text=ctx.shape.reply)
+            reply, shape = ctx.route is not None and ctx.route.first_turn, ctx.shape
+            if shape.usage_head:  # its usage is split between the first event and the last
+                ctx.tap = HeadTap(shape.usage_head, reply, shape.reply)
+            else:
+                ctx.tap = ResponseTap(reply, shape.reply)
             out.append(_Tap(ctx.tap))
         return tuple(out)
 

@@ -4,11 +4,13 @@ An engine can collapse into one token ("duct duct duct…") until the length lim
 passes; the symptoms are a rising share of ``finish_reason: length`` and a stream of identical deltas.
 
 Cheap by construction (it runs once per streamed chunk, before the chunk is sent): no JSON parsing. The
-chunk bytes are searched for the shape's text key (``"content":`` for chat, ``"text":`` for completions) and
-``"finish_reason":``; the string values are compared as the raw, still-escaped bytes. The repetition check
-is rolling: for each period p <= ``max_period`` it counts how many deltas in a row equal the delta p
-before; a unit of p deltas repeated ``repeat_count`` times trips it. Whitespace around a delta is ignored
-(" duct" and "duct" are one token), empty deltas (the role chunk) are skipped.
+chunk bytes are searched for the shape's text key (``"content":`` for chat, ``"text":`` for completions and
+Anthropic's messages) and its finish key (``"finish_reason":``; Anthropic's ``"stop_reason":``, its values
+counted under OpenAI's labels: ``end_turn`` as ``stop``, ``max_tokens`` as ``length``...); the string
+values are compared as the raw, still-escaped bytes. The repetition check is rolling: for each period
+p <= ``max_period`` it counts how many deltas in a row equal the delta p before; a unit of p deltas
+repeated ``repeat_count`` times trips it. Whitespace around a delta is ignored (" duct" and "duct" are one
+token), empty deltas (the role chunk) are skipped.
 
 Only complete SSE events are looked at (``gateway.sse``: any line ends; an event's start waits for its end),
 so an event split across reads is neither missed nor counted twice; one larger than 64 KiB is not looked
@@ -25,27 +27,42 @@ from gateway.context import Attempt, RequestContext
 from gateway.errors import UpstreamError
 from gateway.metrics import Metrics
 from gateway.phases import BodyFilter, BodyFilterBase
+from gateway.shapes.base import OPENAI_FINISH, FinishKey
 from gateway.sse import Event, EventSplitter, Piece
 
 log = logging.getLogger("warmroute.proxy")
 
-_FINISH = b'"finish_reason":'
 _MAX_EVENT = 64 * 1024  # an event larger than this is not inspected (none of ours comes near it)
 _BACKSLASH = 0x5C
 _QUOTE = 0x22
-#: A finish_reason that is a string, in either spelling (anywhere in the read: events may be packed).
-_FINISH_STRING = (b'"finish_reason":"', b'"finish_reason": "')
-#: finish_reason values kept as metric labels; anything else an engine sends counts as "other".
-FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort"})
+#: finish_reason values kept as metric labels; anything else an engine sends counts as "other" (a shape
+#: with another field, Anthropic's ``stop_reason``, maps its values onto these: ``ApiShape.finish``).
+FINISH_REASONS = frozenset(OPENAI_FINISH.labels.values())
 
 
 class StreamGuard:
     """One response's guard. ``feed`` every chunk; ``tripped`` once it is degenerate."""
 
-    __slots__ = ("_events", "_history", "_key", "_max_period", "_needed", "_runs", "finish", "sse", "tripped")
+    __slots__ = (
+        "_events",
+        "_finish",
+        "_finish_strings",
+        "_history",
+        "_key",
+        "_max_period",
+        "_needed",
+        "_runs",
+        "finish",
+        "sse",
+        "tripped",
+    )
 
-    def __init__(self, cfg: GuardConfig, *, text_key: bytes, sse: bool) -> None:
+    def __init__(
+        self, cfg: GuardConfig, *, text_key: bytes, sse: bool, finish: FinishKey = OPENAI_FINISH
+    ) -> None:
         self._key = text_key  # the API shape's (``ApiShape.text_key``): ``"content":``, ``"text":``...
+        self._finish = finish  # the shape's (``ApiShape.finish``): ``"finish_reason":``, ``"stop_reason":``
+        self._finish_strings = finish.strings  # the key with a string value (packed events: anywhere)
         self._max_period = cfg.max_period
         self._needed = [p * (cfg.repeat_count - 1) for p in range(cfg.max_period + 1)]
         self._runs = [0] * (cfg.max_period + 1)
@@ -80,7 +97,8 @@ class StreamGuard:
         if self.tripped is None and self._pieces(data, end):
             return True
         # ``find``, not ``in`` (gateway/sse.py says why); most events carry ``null`` there
-        if data.find(_FINISH_STRING[0]) >= 0 or data.find(_FINISH_STRING[1]) >= 0:
+        compact, spaced = self._finish_strings
+        if data.find(compact) >= 0 or data.find(spaced) >= 0:
             self._finish_reasons(data, end)
         return False
 
@@ -135,16 +153,17 @@ class StreamGuard:
         return hit
 
     def _finish_reasons(self, data: bytes, end: int) -> None:
+        key, labels = self._finish.key, self._finish.labels
         pos = 0
         while True:
-            pos = data.find(_FINISH, pos, end)
+            pos = data.find(key, pos, end)
             if pos < 0:
                 return
-            value = _string_at(data, pos + len(_FINISH), end)
-            pos += len(_FINISH)
+            value = _string_at(data, pos + len(key), end)
+            pos += len(key)
             if value is not None:
                 reason = data[value[0] : value[1]].decode("ascii", "replace")
-                self.finish.append(reason if reason in FINISH_REASONS else "other")
+                self.finish.append(labels.get(reason, "other"))
 
 
 def _string_at(data: bytes, pos: int, end: int) -> tuple[int, int] | None:
@@ -175,7 +194,7 @@ class OutputGuard:
         self.metrics = metrics
 
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter:
-        guard = StreamGuard(self.cfg, text_key=ctx.shape.text_key, sse=sse)
+        guard = StreamGuard(self.cfg, text_key=ctx.shape.text_key, sse=sse, finish=ctx.shape.finish)
         return _GuardFilter(self, guard, attempt.backend.id)
 
 

@@ -88,13 +88,16 @@ class RoutingFeedback:
             size = len(ctx.raw)
             ctx.route = RouteInfo(ctx.key, ctx.body is None, size, 0, size // 4)
             return
-        shape = chat_shape(messages)
+        turns = ctx.shape.turns  # a shape whose head is not only ``messages`` (Anthropic's ``system``)
+        shape = chat_shape(messages) if turns is None or ctx.body is None else turns(ctx.body)
         info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
         if shape.turn > 1 and ctx.identity is None:  # a named session is its own conversation already
             reply = first_reply(messages)
             if reply is not None:
                 ctx.route_key = reply_key(ctx.key, reply)
-        ctx.route = info
+        # A request that is no turn (a token count) is routed under the same key, and teaches nothing: no
+        # prefill queued, no holder, no speed (``ctx.route`` None keeps ``sent`` and ``observe`` out).
+        ctx.route = info if ctx.shape.pins else None
 
     def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
         info = ctx.route

@@ -218,6 +218,39 @@ class ResponseTap:
             self._args += arguments
 
 
+class HeadTap(ResponseTap):
+    """A tap that also keeps the answer's first ``head`` bytes, for shapes whose usage is split between the
+    first event and the last (Anthropic's ``message_start`` and ``message_delta``). A subclass, so the
+    shapes that need no head pay nothing for it."""
+
+    __slots__ = ("_first", "_room")
+
+    def __init__(self, head: int, reply: bool = False, text: ReplyText | None = None) -> None:
+        super().__init__(reply, text)
+        self._first = b""
+        self._room = head
+
+    def feed(self, chunk: bytes) -> None:
+        if self._room:
+            self._keep(chunk)
+        super().feed(chunk)
+
+    def take(self, pieces: list[Piece]) -> None:
+        if self._room:
+            self._keep(b"".join(p.raw for p in pieces))
+        super().take(pieces)
+
+    def usage(self, read: Callable[[bytes], Usage | None] | None = None) -> Usage | None:
+        """The head, then the tail: both in one buffer for ``read`` (repeated bytes where they overlap)."""
+        data = self._first + b"\n" + self._tail if self._first else self._tail
+        return parse_usage(data) if read is None else read(data)
+
+    def _keep(self, chunk: bytes) -> None:
+        kept = chunk[: self._room]
+        self._first += kept
+        self._room -= len(kept)
+
+
 def _string_at(rest: bytes) -> str | None:
     """The JSON string value after a key (``rest`` starts right after ``"content"``), or None."""
     text = rest[: 4 * REPLY_CHARS + 64].decode("utf-8", "replace").lstrip()

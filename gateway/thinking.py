@@ -4,6 +4,7 @@ dialect table, the budget step and the continuation, and by nothing that it impo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from config.settings import Effort
 
@@ -20,3 +21,11 @@ class Thinking:
     @property
     def off(self) -> bool:
         return self.budget == 0 or self.effort == Effort.NONE
+
+
+class BudgetAsk(NamedTuple):
+    """What a request's own fields ask, validated, before the model's configuration applies."""
+
+    budget: int | None  # tokens (0: no thinking); None: no cap asked
+    effort: str | None
+    param: str  # the field that carries the budget, for an error about it

@@ -63,7 +63,9 @@ def _url_of(image_url: Any, i: int, j: int) -> str:
 
 def memo_of(ctx: RequestContext) -> VisionMemo:
     if ctx.vision is None:
-        ctx.vision = VisionMemo(find_images(ctx.body))
+        found = ctx.shape.images  # the shape's own image parts (Anthropic's ``image`` blocks)
+        images = find_images(ctx.body) if found is None or ctx.body is None else found(ctx.body)
+        ctx.vision = VisionMemo(tuple(images))
     return ctx.vision
 
 
@@ -89,6 +91,18 @@ class VisionRouting:
                 param="messages",
             )
         out = by_mode[VisionMode.NONE]
+        if not ctx.shape.embeds:
+            # Its native route takes no image embeddings (vLLM's /v1/messages has no such block). Seam: an
+            # attempt translated to chat (gateway/translate) could take them; until then they are left out.
+            if not by_mode[VisionMode.NATIVE]:
+                ids = ", ".join(sorted(by_mode[VisionMode.EMBEDS]))
+                raise BadRequest(
+                    f"model {ctx.model!r} takes images on {ctx.shape.path} only from vision: native "
+                    f"backends; its image backends ({ids}) take image embeddings, which this route "
+                    "cannot carry; send the images to /v1/chat/completions",
+                    param="messages",
+                )
+            return frozenset(out | by_mode[VisionMode.EMBEDS])
         sidecar_down = self.host is None or not self.host.available
         if sidecar_down and by_mode[VisionMode.NATIVE]:
             out = out | by_mode[VisionMode.EMBEDS]
@@ -102,8 +116,8 @@ class VisionStep:
         self.sidecar = sidecar
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
-        if backend.cfg.vision is not VisionMode.EMBEDS or not ctx.shape.vision:
-            return
+        if backend.cfg.vision is not VisionMode.EMBEDS or not ctx.shape.vision or not ctx.shape.embeds:
+            return  # (a shape without embeds never routes here with images: ``VisionRouting``)
         memo = memo_of(ctx)
         if not memo.images:
             return

@@ -8,7 +8,8 @@ demand, or its engine is ready) costs one lookup and returns at once. Otherwise:
   comment every ``keepalive_s`` (``: waiting for <backend> to start (12 s)``), so clients and proxies in
   between do not time out. Its head is gone then, so whatever the proxy sends next goes through the
   ``EarlyHeadSend`` that ``wrap`` made: the relay's own 200 head is dropped, and an error response (the
-  start failed, the engine answered 4xx/5xx) becomes an SSE ``error`` event and ``[DONE]``.
+  start failed, the engine answered 4xx/5xx) becomes an SSE ``error`` event and ``[DONE]`` (on another
+  route, that route's own stream end: Anthropic's ``event: error`` without ``[DONE]``).
 
 A refusal (queue full, group held, failed start, wait timeout) is an ``EngineNotReady`` 503 with a
 ``Retry-After`` where one makes sense. The ``Claim`` returned is released by the proxy when the request is
@@ -32,8 +33,9 @@ from backends.fleet import Fleet
 from backends.ondemand import Phase, RejectWhy
 from config.settings import OnDemandConfig
 from gateway.context import RequestContext
-from gateway.errors import NoHealthyBackend, error_body
+from gateway.errors import NoHealthyBackend, UpstreamError, error_body
 from gateway.relay import DONE, SSE, body
+from gateway.shapes.base import OPENAI_ERRORS, ErrorShape
 
 log = logging.getLogger("warmroute.waiting")
 
@@ -83,7 +85,7 @@ class WaitingRoom:
             return send
         if ctx.body is None or ctx.body.get("stream") is not True:
             return send
-        return EarlyHeadSend(send)
+        return EarlyHeadSend(send, ctx.shape.errors)
 
     async def enter(self, ctx: RequestContext, send: Send) -> Claim | None:
         """Wait for ``ctx.model``'s engine; ``send`` is what ``wrap`` returned. Returns the claim to release
@@ -140,8 +142,9 @@ class EarlyHeadSend:
     """``send`` for a stream that may answer its 200 SSE head while it waits (see the module docstring).
     Until ``head()`` is called it passes every message through."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, errors: ErrorShape = OPENAI_ERRORS) -> None:
         self._send = send
+        self._errors = errors  # the route's: how its stream ends with an error
         self._error: tuple[int, bytearray] | None = None  # an error response being turned into an SSE event
         self._early = self._head_seen = False
 
@@ -170,11 +173,23 @@ class EarlyHeadSend:
         if self._error is not None and message["type"] == "http.response.body":
             self._error[1].extend(message.get("body", b""))
             if not message.get("more_body", False):
-                await self._send(
-                    body(b"event: error\ndata: " + self._error_data() + b"\n\n" + DONE, more=False)
-                )
+                await self._send(body(self._error_end(), more=False))
             return
         await self._send(message)
+
+    def _error_end(self) -> bytes:
+        """OpenAI's routes: the engine's error object (one line) in an error event, then ``[DONE]``; another
+        shape's: its own stream end, saying what the engine answered."""
+        if self._errors is OPENAI_ERRORS:
+            return b"event: error\ndata: " + self._error_data() + b"\n\n" + DONE
+        assert self._error is not None
+        status, data = self._error
+        text = data.decode(errors="replace")
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            text = json.loads(data)["error"]["message"]  # OpenAI's and Anthropic's error objects alike
+        err = UpstreamError(f"HTTP {status}: {str(text)[:500]}")
+        err.status = status
+        return self._errors.stream_end(err)
 
     def _error_data(self) -> bytes:
         assert self._error is not None

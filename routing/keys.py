@@ -100,6 +100,49 @@ def _as_chat_part(part: Any) -> Any:
     return part
 
 
+def messages_key(body: Mapping[str, Any], volatile: VolatileRules = NO_RULES) -> str:
+    """Key of an Anthropic Messages body (validated: model str, messages list): model, tools, ``system`` and
+    the messages through the first user message. A system string and one text block hash alike (as chat's
+    parts do); ``cache_control`` marks, which clients move from turn to turn, are not hashed. System blocks
+    ``volatile`` names (Claude Code's per-request billing block) are left out."""
+    fields = [b"messages", str(body["model"]).encode()]
+    tools = body.get("tools")
+    if tools:
+        fields.append(json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
+    system = volatile.drop_content(body.get("system"))
+    fields.append(b"s")
+    fields.extend(block_parts(system))
+    for msg in head_messages(body["messages"]):
+        fields.append(str(msg.get("role", "")).encode())
+        fields.extend(block_parts(msg.get("content")))
+    return _digest(fields)
+
+
+def block_parts(content: Any) -> list[bytes]:
+    """Anthropic content (a string or content blocks) as hashable parts: text as chat's text parts, images
+    by source (inline data by its hash), any other block as JSON without its ``cache_control``."""
+    if not isinstance(content, list):
+        return canonical_parts(content)
+    parts: list[bytes] = []
+    for block in content:
+        if not isinstance(block, dict) or block.get("type") == "text":
+            parts.extend(canonical_parts([block]))
+        elif block.get("type") == "image":
+            parts.append(b"i" + _source_identity(block.get("source")))
+        else:
+            kept = {k: v for k, v in block.items() if k != "cache_control"}
+            parts.append(b"j" + json.dumps(kept, sort_keys=True).encode())
+    return parts
+
+
+def _source_identity(source: Any) -> bytes:
+    if not isinstance(source, dict):
+        return b"j" + json.dumps(source, sort_keys=True).encode()
+    if source.get("type") == "url":
+        return b"u" + str(source.get("url", "")).encode()
+    return b"d" + xxhash.xxh3_128_digest(str(source.get("data", "")).encode())
+
+
 def completion_key(model: str, prompt: Any, chars: int) -> str:
     """Key of a completions body: the prompt's leading ``chars`` characters (or ``chars // 4`` token ids).
 

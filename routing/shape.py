@@ -54,3 +54,46 @@ def message_chars(msg: Mapping[str, Any]) -> int:
             if isinstance(function, dict):
                 n += len(str(function.get("arguments") or ""))
     return n
+
+
+def messages_shape(body: Mapping[str, Any]) -> Shape:
+    """An Anthropic Messages body: ``system`` counts in the head, content blocks by their text (tool input
+    and results by their JSON or text; images ``IMAGE_CHARS``)."""
+    head = tail = block_chars(body.get("system"))
+    replies = 0
+    in_head = True
+    for msg in body.get("messages") or ():
+        if not isinstance(msg, dict):
+            continue
+        n = block_chars(msg.get("content"))
+        if in_head:
+            head += n
+            in_head = msg.get("role") != "user"
+        if msg.get("role") == "assistant":
+            replies += 1
+            tail = 0
+        else:
+            tail += n
+    return Shape(head, tail, replies + 1)
+
+
+def block_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    n = 0
+    for block in content:
+        if not isinstance(block, dict):
+            continue
+        kind = block.get("type")
+        if kind == "image":
+            n += IMAGE_CHARS
+        elif kind == "tool_use":
+            n += len(str(block.get("input") or ""))
+        elif kind == "tool_result":
+            n += block_chars(block.get("content"))
+        else:
+            text = block.get("text", block.get("thinking"))
+            n += len(text) if isinstance(text, str) else 0
+    return n

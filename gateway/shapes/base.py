@@ -12,7 +12,7 @@ This module imports no shape and no feature module: a shape module may use a fea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -20,6 +20,8 @@ from typing import Any
 from config.settings import ReasoningFields, RoutingConfig
 from gateway.errors import GatewayError
 from gateway.observe import ReplyText, Usage, parse_usage
+from gateway.thinking import BudgetAsk, Thinking
+from routing.shape import Shape
 
 #: The body's model, or a ``BadRequest`` in the route's own error shape: checks only the fields the
 #: gateway reads itself (everything else is forwarded as the client's bytes).
@@ -36,6 +38,34 @@ Conversation = Callable[[dict[str, Any]], list[Any] | None]
 #: its reasoning text is in the configured fields; raise ``ValueError``/``LookupError``/``TypeError`` when the
 #: document is not of the shape expected (it then goes on as the engine's own bytes).
 ReasoningRewrite = Callable[[dict[str, Any], ReasoningFields, bool], None]
+#: The request's own thinking fields, validated, or a ``BadRequest`` naming the field (gateway/budgets.py
+#: then applies the model's configuration).
+ThinkingAsk = Callable[[dict[str, Any]], BudgetAsk]
+#: A budget the gateway derived (no client ask) in the shape's own fields: (top-level field, value) to
+#: write into the attempt's body, or None (nothing to write).
+ThinkingSpell = Callable[[dict[str, Any], Thinking], tuple[str, Any] | None]
+#: A validated body's size per turn for the ttft policy (``routing.shape``): head, tail, turn number.
+Turns = Callable[[dict[str, Any]], Shape]
+#: A validated body's image parts (``gateway.images.ImagePart`` values), for gateway/vision.py.
+Images = Callable[[dict[str, Any]], tuple[Any, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishKey:
+    """Where an answer says why it ended (``"finish_reason":`` in OpenAI's shapes), and that value as one of
+    the bounded metric labels (anything else counts as "other")."""
+
+    key: bytes
+    labels: Mapping[str, str]
+
+    @property
+    def strings(self) -> tuple[bytes, bytes]:
+        """The key followed by a string value, in either spelling (compact, or one space)."""
+        return self.key + b'"', self.key + b' "'
+
+
+_OPENAI_REASONS = ("stop", "length", "tool_calls", "content_filter", "function_call", "abort")
+OPENAI_FINISH = FinishKey(b'"finish_reason":', {r: r for r in _OPENAI_REASONS})
 
 
 class ThinkingUse(StrEnum):
@@ -94,3 +124,15 @@ class ApiShape:
     #: Where its answers keep the reply's text (None: chat's ``content``, or a tool call's ``arguments``).
     reply: ReplyText | None = None
     vision: bool = False  # its requests may hold ``image_url`` parts in ``messages`` (gateway/vision.py)
+    #: Bytes of the answer's beginning the tap keeps for ``usage`` (0: the tail alone holds it); the reader
+    #: is then handed those bytes and the tail, one after the other (an overlap repeats some bytes).
+    usage_head: int = 0
+    finish: FinishKey = OPENAI_FINISH
+    #: False: routed where its conversation is pinned, never creating or moving a pin (a token count).
+    pins: bool = True
+    turns: Turns | None = None  # None: ``messages`` read as chat's (gateway/learning.py)
+    thinking_ask: ThinkingAsk | None = None  # None: the gateway's chat fields (gateway/budgets.py)
+    thinking_spell: ThinkingSpell | None = None  # with ``thinking_ask``: the client's fields go as sent
+    images: Images | None = None  # None: ``image_url`` parts in ``messages`` (gateway/vision.py)
+    #: Its native route takes ``image_embeds`` parts, so ``vision: embeds`` backends can serve its images.
+    embeds: bool = True

@@ -10,14 +10,17 @@ from __future__ import annotations
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse
 from gateway.shapes.chat import CHAT
 from gateway.shapes.completions import COMPLETIONS
+from gateway.shapes.messages import COUNT_TOKENS, MESSAGES
 from gateway.shapes.passthrough import PASSTHROUGH
 from gateway.shapes.responses import RESPONSES
 
-SHAPES: tuple[ApiShape, ...] = (CHAT, COMPLETIONS, RESPONSES)
+SHAPES: tuple[ApiShape, ...] = (CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES)
 
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "COUNT_TOKENS",
+    "MESSAGES",
     "PASSTHROUGH",
     "RESPONSES",
     "SHAPES",

@@ -126,7 +126,7 @@ def test_client_keys_gate_v1_name_the_client_and_stay_home(cluster: ClusterFacto
     keys = [{"name": "alice", "key": "k-alice"}, {"name": "bob", "key": "k-bob"}]
     c = cluster(engines=engines, auth={"client_keys": keys})
     for headers, message in [
-        ({}, "missing API key: send Authorization: Bearer <key>"),
+        ({}, "missing API key: send Authorization: Bearer <key> (or x-api-key: <key>)"),
         ({"authorization": "Bearer k-mallory"}, "incorrect API key provided"),
     ]:
         r = chat(c.url, "x", headers=headers)

@@ -123,7 +123,7 @@ def test_every_shape_is_mounted_and_nothing_else_under_v1_but_the_catalogue_and_
         assert [r.endpoint for r in v1[: len(paths)]] == [hot.routes["POST", p] for p in paths]
         fallback = v1[-1].endpoint
         assert isinstance(fallback, Endpoint) and fallback.shape is PASSTHROUGH
-    assert [s.name for s in SHAPES] == ["chat", "completions", "responses"]
+    assert [s.name for s in SHAPES] == ["chat", "completions", "messages", "count_tokens", "responses"]
 
 
 def test_without_a_shape_its_path_is_passed_through(cluster: ClusterFactory) -> None:

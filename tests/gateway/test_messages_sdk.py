@@ -1,0 +1,83 @@
+"""The official ``anthropic`` SDK as the caller, against the gateway in front of fake Anthropic engines: its
+messages, streams and token counts work, and the gateway's errors read as the SDK's own exception classes."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+from messages_engine import COUNTED, AnthropicEngine
+
+from clusters import Cluster, ClusterFactory
+
+KEY = "sk-team"
+
+
+@pytest.fixture
+def c(cluster: ClusterFactory) -> Cluster:
+    return cluster(
+        engines=[AnthropicEngine("a"), AnthropicEngine("b")],
+        auth={"client_keys": [{"name": "team", "key": KEY}]},
+    )
+
+
+def client(c: Cluster, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=c.url, api_key=key, max_retries=0, timeout=10)
+
+
+USER = [{"role": "user", "content": "fix the bug"}]
+
+
+def test_messages_streams_and_counts_through_the_sdk_stay_with_their_conversation(c: Cluster) -> None:
+    sdk = client(c)
+    first = sdk.messages.with_raw_response.create(model="m", max_tokens=64, system="agent", messages=USER)
+    home = first.headers["x-warmroute-backend"]
+    message = first.parse()
+    assert message.content[0].type == "text" and message.content[0].text == f"{home}-0 {home}-1 {home}-2 "
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (3, 5)
+    follow = [
+        *USER,
+        {"role": "assistant", "content": message.content[0].text},
+        {"role": "user", "content": "go"},
+    ]
+    with sdk.messages.stream(model="m", max_tokens=64, system="agent", messages=follow) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == f"{home}-0 {home}-1 {home}-2 "
+    assert (final.stop_reason, final.usage.output_tokens) == ("end_turn", 4)
+    counted = sdk.messages.with_raw_response.count_tokens(model="m", system="agent", messages=follow)
+    assert (counted.parse().input_tokens, counted.headers["x-warmroute-route"]) == (COUNTED, "affinity_hit")
+    assert len(c.engines[home].requests) == 3  # every turn, and the count, on the conversation's engine
+    assert c.engines["b" if home == "a" else "a"].requests == []
+
+
+def test_the_gateway_s_errors_are_the_sdk_s_own_exception_classes(c: Cluster) -> None:
+    sdk = client(c)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        sdk.messages.create(
+            model="m", max_tokens=2048, messages=USER, thinking={"type": "enabled", "budget_tokens": 100}
+        )
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "thinking.budget_tokens" in bad.value.message
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        sdk.messages.create(model="nope", max_tokens=16, messages=USER)
+    assert missing.value.type == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        client(c, "sk-wrong").messages.create(model="m", max_tokens=16, messages=USER)
+    assert denied.value.type == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError):
+        sdk.messages.count_tokens(model="m", messages=[{"role": "tool", "content": "x"}])
+    assert c.engines["a"].requests == c.engines["b"].requests == []
+
+
+def test_a_stream_that_breaks_raises_the_sdk_s_api_error(cluster: ClusterFactory) -> None:
+    c = cluster(engines=[AnthropicEngine("a", chunks=5, die_after=2)])
+    sdk = anthropic.Anthropic(base_url=c.url, api_key="unused", max_retries=0, timeout=10)
+    seen: list[str] = []
+    with (
+        pytest.raises(anthropic.APIStatusError) as broken,
+        sdk.messages.stream(model="m", max_tokens=64, messages=USER) as stream,
+    ):
+        seen.extend(stream.text_stream)
+    assert seen == ["", "a-0 ", "a-1 "] or seen == ["a-0 ", "a-1 "]
+    assert broken.value.body["error"]["type"] == "api_error"
+    c.wait_idle()
