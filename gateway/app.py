@@ -49,6 +49,7 @@ from gateway.shapes.table import PASSTHROUGH, SHAPES
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import StatusPage
+from gateway.translation import Translation
 from gateway.upstream import UpstreamPool
 from gateway.vision import VisionRouting, VisionStep, no_embeds
 from gateway.waiting import WaitingRoom
@@ -143,6 +144,9 @@ class Gateway:
         own events, before reasoning fields are rewritten and phases stitched)."""
         guard = settings.guard
         return (
+            # First: its prepare step makes a translated attempt's draft chat before any other step shapes
+            # it, and its body filter gives every later filter and the observers the client's shape.
+            Translation(),
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.waiting] if self.waiting is not None else []),
             *([self.admission] if self.admission is not None else []),  # after the waiting room: its send

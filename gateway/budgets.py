@@ -106,6 +106,10 @@ class BudgetStep:
             return
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
+        if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
+            # Stitching phases reads and rewrites chat; a translated answer reaches the filters in the
+            # client's shape. The engine's own token limit binds instead.
+            enforced = False
         shaped = draft.edit()
         DIALECTS[dialect].budget.shape(shaped, thinking, native=not enforced)
         if enforced:
