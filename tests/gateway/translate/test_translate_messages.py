@@ -175,20 +175,37 @@ def test_tool_choices_and_structured_output() -> None:
         ({"mcp_servers": [{"type": "url", "url": "http://127.0.0.1"}]}, "mcp_servers"),
         ({"container": "c1"}, "container"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
-        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
         (
-            {"messages": [{"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}
-            ]}]},
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": [{"type": "image", "source": {}}],
+                            }
+                        ],
+                    }
+                ]
+            },
             "messages[0].content[0].content[0].type",
         ),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]}, "messages[0].content[0].source.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]},
+            "messages[0].content[0].source.type",
+        ),
         ({"system": [{"type": "image"}]}, "system[0]"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"messages": "hi"}, "messages"),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_be_translated_is_a_400_naming_the_client_s_field(
     change: dict[str, Any], param: str
 ) -> None:
@@ -301,8 +318,18 @@ def test_stop_reasons(choice: dict[str, Any], stop: tuple[str, str | None]) -> N
 
 
 def test_reasoning_content_and_unparsable_arguments_are_kept() -> None:
-    doc = {"choices": [{"message": {"reasoning_content": "r", "content": None, "tool_calls": [
-        {"id": "c", "function": {"name": "f", "arguments": "{not json"}}]}, "finish_reason": "tool_calls"}]}  # fmt: skip
+    doc = {
+        "choices": [
+            {
+                "message": {
+                    "reasoning_content": "r",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{not json"}}],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ]
+    }
     out = messages.response(doc, "m")
     assert out["content"] == [
         {"type": "thinking", "thinking": "r", "signature": ""},
@@ -335,41 +362,126 @@ TOOL_STREAM = [
     chunk({"reasoning": " more"}),
     chunk({"content": "I will"}),
     chunk({"content": " look."}),
-    chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "ls", "arguments": ""}}]}),
+    chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_a", "type": "function", "function": {"name": "ls", "arguments": ""}}
+            ]
+        }
+    ),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"pa'}}]}),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'th":"/"}'}}]}),
     chunk({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "pwd", "arguments": "{}"}}]}),
     chunk({}, "tool_calls"),
-    chunk(usage={"prompt_tokens": 50, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32}}),
-]  # fmt: skip
+    chunk(
+        usage={"prompt_tokens": 50, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32}}
+    ),
+]
 
 TOOL_EVENTS = [
-    ("message_start", {"type": "message_start", "message": {
-        "id": "msg_c1", "type": "message", "role": "assistant", "model": "m", "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}}),
-    ("content_block_start", {"type": "content_block_start", "index": 0,
-                             "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "plan"}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": " more"}}),
+    (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_c1",
+                "type": "message",
+                "role": "assistant",
+                "model": "m",
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            },
+        },
+    ),
+    (
+        "content_block_start",
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+        },
+    ),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "plan"}},
+    ),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": " more"}},
+    ),
     ("content_block_stop", {"type": "content_block_stop", "index": 0}),
-    ("content_block_start", {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "I will"}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": " look."}}),
+    (
+        "content_block_start",
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+    ),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "I will"}},
+    ),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": " look."}},
+    ),
     ("content_block_stop", {"type": "content_block_stop", "index": 1}),
-    ("content_block_start", {"type": "content_block_start", "index": 2,
-                             "content_block": {"type": "tool_use", "id": "call_a", "name": "ls", "input": {}}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": '{"pa'}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": 'th":"/"}'}}),
+    (
+        "content_block_start",
+        {
+            "type": "content_block_start",
+            "index": 2,
+            "content_block": {"type": "tool_use", "id": "call_a", "name": "ls", "input": {}},
+        },
+    ),
+    (
+        "content_block_delta",
+        {
+            "type": "content_block_delta",
+            "index": 2,
+            "delta": {"type": "input_json_delta", "partial_json": '{"pa'},
+        },
+    ),
+    (
+        "content_block_delta",
+        {
+            "type": "content_block_delta",
+            "index": 2,
+            "delta": {"type": "input_json_delta", "partial_json": 'th":"/"}'},
+        },
+    ),
     ("content_block_stop", {"type": "content_block_stop", "index": 2}),
-    ("content_block_start", {"type": "content_block_start", "index": 3,
-                             "content_block": {"type": "tool_use", "id": "call_b", "name": "pwd", "input": {}}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 3, "delta": {"type": "input_json_delta", "partial_json": "{}"}}),
+    (
+        "content_block_start",
+        {
+            "type": "content_block_start",
+            "index": 3,
+            "content_block": {"type": "tool_use", "id": "call_b", "name": "pwd", "input": {}},
+        },
+    ),
+    (
+        "content_block_delta",
+        {
+            "type": "content_block_delta",
+            "index": 3,
+            "delta": {"type": "input_json_delta", "partial_json": "{}"},
+        },
+    ),
     ("content_block_stop", {"type": "content_block_stop", "index": 3}),
-    ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-                       "usage": {"input_tokens": 18, "output_tokens": 9, "cache_read_input_tokens": 32,
-                                 "cache_creation_input_tokens": 0}}),
+    (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+            "usage": {
+                "input_tokens": 18,
+                "output_tokens": 9,
+                "cache_read_input_tokens": 32,
+                "cache_creation_input_tokens": 0,
+            },
+        },
+    ),
     ("message_stop", {"type": "message_stop"}),
-]  # fmt: skip
+]
 
 
 def run(stream: list[dict[str, Any]]) -> list[bytes]:
@@ -397,8 +509,11 @@ def test_a_usage_only_final_chunk_and_a_length_stop() -> None:
         chunk(usage={"prompt_tokens": 3, "completion_tokens": 2}),
     ]
     out = events(run(stream))
-    assert out[-2][1] == {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-                          "usage": {"input_tokens": 3, "output_tokens": 2}}  # fmt: skip
+    assert out[-2][1] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"input_tokens": 3, "output_tokens": 2},
+    }
 
 
 def test_an_error_mid_stream_is_an_upstream_error() -> None:

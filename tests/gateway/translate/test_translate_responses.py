@@ -23,12 +23,21 @@ def test_a_codex_shaped_request_becomes_the_chat_request_asking_the_same() -> No
         "instructions": "You are Codex.",
         "input": [
             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be terse"}]},
-            {"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "look"},
-                {"type": "input_image", "image_url": "data:image/png;base64,QUJD", "detail": "low"},
-            ]},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}],
-             "encrypted_content": "xyz"},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "look"},
+                    {"type": "input_image", "image_url": "data:image/png;base64,QUJD", "detail": "low"},
+                ],
+            },
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "hm"}],
+                "encrypted_content": "xyz",
+            },
             {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"cmd":["ls"]}'},
             {"type": "function_call", "call_id": "call_2", "name": "shell", "arguments": '{"cmd":["pwd"]}'},
             {"type": "function_call_output", "call_id": "call_1", "output": "bin"},
@@ -36,32 +45,60 @@ def test_a_codex_shaped_request_becomes_the_chat_request_asking_the_same() -> No
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
             {"role": "user", "content": "thanks"},
         ],
-        "tools": [{"type": "function", "name": "shell", "description": "run", "parameters": {"type": "object"},
-                   "strict": False}],
+        "tools": [
+            {
+                "type": "function",
+                "name": "shell",
+                "description": "run",
+                "parameters": {"type": "object"},
+                "strict": False,
+            }
+        ],
         "tool_choice": "auto",
         "parallel_tool_calls": True,
         "max_output_tokens": 1000,
         "reasoning": {"effort": "high", "summary": "auto"},
-        "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}, "strict": True},
-                 "verbosity": "low"},
+        "text": {
+            "format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}, "strict": True},
+            "verbosity": "low",
+        },
         "stream": True,
         "store": False,
         "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": "session-1",
-    }  # fmt: skip
+    }
     assert responses.request(req) == {
         "model": "m",
         "messages": [
             {"role": "system", "content": "You are Codex."},
             {"role": "system", "content": "be terse"},
-            {"role": "user", "content": [
-                {"type": "text", "text": "look"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD", "detail": "low"}},
-            ]},
-            {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": '{"cmd":["ls"]}'}},
-                {"id": "call_2", "type": "function", "function": {"name": "shell", "arguments": '{"cmd":["pwd"]}'}},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look"},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64,QUJD", "detail": "low"},
+                    },
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "hm",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "shell", "arguments": '{"cmd":["ls"]}'},
+                    },
+                    {
+                        "id": "call_2",
+                        "type": "function",
+                        "function": {"name": "shell", "arguments": '{"cmd":["pwd"]}'},
+                    },
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "bin"},
             {"role": "tool", "tool_call_id": "call_2", "content": "/"},
             {"role": "assistant", "content": "Done."},
@@ -71,13 +108,24 @@ def test_a_codex_shaped_request_becomes_the_chat_request_asking_the_same() -> No
         "max_tokens": 1000,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "tools": [{"type": "function", "function": {"name": "shell", "description": "run",
-                                                    "parameters": {"type": "object"}, "strict": False}}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "shell",
+                    "description": "run",
+                    "parameters": {"type": "object"},
+                    "strict": False,
+                },
+            }
+        ],
         "tool_choice": "auto",
         "reasoning_effort": "high",
-        "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": {"type": "object"},
-                                                                   "strict": True}},
-    }  # fmt: skip
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "out", "schema": {"type": "object"}, "strict": True},
+        },
+    }
 
 
 def test_a_string_input_and_an_assistant_text_followed_by_a_call_share_one_message() -> None:
@@ -90,10 +138,13 @@ def test_a_string_input_and_an_assistant_text_followed_by_a_call_share_one_messa
     ]
     assert responses.request({"model": "m", "input": items})["messages"] == [
         {"role": "user", "content": "x"},
-        {"role": "assistant", "content": "let me look", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "let me look",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "c", "content": "ok"},
-    ]  # fmt: skip
+    ]
 
 
 def test_tool_choice_and_json_object() -> None:
@@ -115,15 +166,24 @@ def test_tool_choice_and_json_object() -> None:
         ({"background": True}, "background"),
         ({"prompt": {"id": "p"}}, "prompt"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "apply_patch"}]}, "tools[1].type"),
+        (
+            {"tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "apply_patch"}]},
+            "tools[1].type",
+        ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
         ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice.type"),
         ({"input": 5}, "input"),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_be_translated_is_a_400_naming_the_client_s_field(
     change: dict[str, Any], param: str
 ) -> None:
@@ -134,8 +194,18 @@ def test_what_cannot_be_translated_is_a_400_naming_the_client_s_field(
 
 
 def test_store_false_and_harmless_fields_go_quietly_and_the_table_says_which() -> None:
-    req = {"model": "m", "input": "x", "store": False, "background": False, "include": ["x"], "metadata": {"a": "b"},
-           "prompt_cache_key": "k", "truncation": "auto", "user": "u", "safety_identifier": "s"}  # fmt: skip
+    req = {
+        "model": "m",
+        "input": "x",
+        "store": False,
+        "background": False,
+        "include": ["x"],
+        "metadata": {"a": "b"},
+        "prompt_cache_key": "k",
+        "truncation": "auto",
+        "user": "u",
+        "safety_identifier": "s",
+    }
     assert responses.request(req) == {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     refused = {e.field for e in responses.UNTRANSLATED if e.treatment is Treatment.REFUSED}
     assert {"previous_response_id", "store", "tools[].type"} <= refused
@@ -180,13 +250,29 @@ def test_a_chat_completion_becomes_a_response_object() -> None:
     }
     out = responses.response(CHAT, req, created=5)
     assert out["output"] == [
-        {"id": "rs_resp_chatcmpl-9", "type": "reasoning", "summary": [],
-         "content": [{"type": "reasoning_text", "text": "think"}], "status": "completed"},
-        {"id": "msg_resp_chatcmpl-9", "type": "message", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": "Here.", "annotations": [], "logprobs": []}]},
-        {"id": "fc_call_1", "type": "function_call", "call_id": "call_1", "name": "ls", "arguments": "{}",
-         "status": "completed"},
-    ]  # fmt: skip
+        {
+            "id": "rs_resp_chatcmpl-9",
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "think"}],
+            "status": "completed",
+        },
+        {
+            "id": "msg_resp_chatcmpl-9",
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Here.", "annotations": [], "logprobs": []}],
+        },
+        {
+            "id": "fc_call_1",
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "ls",
+            "arguments": "{}",
+            "status": "completed",
+        },
+    ]
     assert out["usage"] == {
         "input_tokens": 100,
         "input_tokens_details": {"cached_tokens": 64, "cache_write_tokens": 0},
@@ -234,12 +320,20 @@ STREAM = [
     chunk({"reasoning": "plan"}),
     chunk({"content": "Lo"}),
     chunk({"content": "ok."}),
-    chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "ls", "arguments": ""}}]}),
+    chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_a", "type": "function", "function": {"name": "ls", "arguments": ""}}
+            ]
+        }
+    ),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"p":'}}]}),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
     chunk({}, "tool_calls"),
-    chunk(usage={"prompt_tokens": 50, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32}}),
-]  # fmt: skip
+    chunk(
+        usage={"prompt_tokens": 50, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32}}
+    ),
+]
 
 
 def run(stream: list[dict[str, Any]], req: dict[str, Any] | None = None) -> list[bytes]:
@@ -273,11 +367,24 @@ def test_a_streamed_answer_with_reasoning_text_and_a_tool_call() -> None:
         ("response.completed", None),
     ]
     assert out[0]["response"]["status"] == "in_progress" and out[0]["response"]["output"] == []
-    assert out[10] == {"type": "response.output_text.delta", "item_id": "msg_c1_1", "output_index": 1,
-                       "content_index": 0, "delta": "Lo", "logprobs": [], "sequence_number": 10}  # fmt: skip
+    assert out[10] == {
+        "type": "response.output_text.delta",
+        "item_id": "msg_c1_1",
+        "output_index": 1,
+        "content_index": 0,
+        "delta": "Lo",
+        "logprobs": [],
+        "sequence_number": 10,
+    }
     assert out[12]["text"] == "Look."
-    assert out[18] == {"type": "response.function_call_arguments.done", "item_id": "fc_call_a", "output_index": 2,
-                       "arguments": '{"p":1}', "name": "ls", "sequence_number": 18}  # fmt: skip
+    assert out[18] == {
+        "type": "response.function_call_arguments.done",
+        "item_id": "fc_call_a",
+        "output_index": 2,
+        "arguments": '{"p":1}',
+        "name": "ls",
+        "sequence_number": 18,
+    }
     done = out[-1]["response"]
     assert done["status"] == "completed"
     assert [item["type"] for item in done["output"]] == ["reasoning", "message", "function_call"]
@@ -324,6 +431,10 @@ def test_any_chunking_of_the_chat_stream_gives_the_same_response(sizes: list[int
         stream.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
         at, n = at + len(piece), n + 1
     stream.append(chunk({}, "tool_calls"))
-    whole = [chunk({"content": text}), chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "ls", "arguments": args}}]}), chunk({}, "tool_calls")]  # fmt: skip
+    whole = [
+        chunk({"content": text}),
+        chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "ls", "arguments": args}}]}),
+        chunk({}, "tool_calls"),
+    ]
     got, want = _text(run(stream)), _text(run(whole))
     assert got == want and got[:2] == (text, args)
