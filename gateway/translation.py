@@ -151,16 +151,32 @@ class _Whole(BodyFilterBase):
 
 
 class _Stream(BodyFilterBase):
-    """A chat stream, event by event, as the client shape's events."""
+    """A chat stream, event by event, as the client shape's events.
+
+    An engine's error event ends the answer, but what it sent before in the same read still goes first:
+    the error is raised on the next read or at the end.
+    """
 
     rewrites = True
-    __slots__ = ("backend", "stream")
+    __slots__ = ("backend", "failed", "stream")
 
     def __init__(self, stream: ChatStream, backend: str) -> None:
         self.stream, self.backend = stream, backend
+        self.failed: UpstreamError | None = None
 
     def events(self, pieces: list[Piece]) -> list[Piece]:
+        if self.failed is not None:
+            raise self.failed
         out: list[bytes] = []
+        try:
+            self._translate(pieces, out)
+        except UpstreamError as exc:
+            if not out:
+                raise
+            self.failed = exc
+        return [Event(raw) for raw in out]
+
+    def _translate(self, pieces: list[Piece], out: list[bytes]) -> None:
         for piece in pieces:
             if isinstance(piece, Overflow):
                 raise UpstreamError(f"backend {self.backend} sent an event too large to translate")
@@ -176,9 +192,10 @@ class _Stream(BodyFilterBase):
                 raise UpstreamError(f"backend {self.backend} sent a stream event that is not JSON") from None
             if isinstance(doc, dict):
                 out += self.stream.chunk(doc)
-        return [Event(raw) for raw in out]
 
     def end(self) -> list[Piece]:
+        if self.failed is not None:
+            raise self.failed
         return [Event(raw) for raw in self.stream.finish()]  # an engine that never sent [DONE]
 
 

@@ -278,8 +278,8 @@ def envelope(req: dict[str, Any], rid: str, model: Any, created: int) -> dict[st
         "tools": req.get("tools") or [],
         "top_p": req.get("top_p"),
         "truncation": "disabled",
-        "usage": None,
         "metadata": req.get("metadata") or {},
+        "usage": None,  # last: a reader of the stream's tail finds it there
     }
 
 
