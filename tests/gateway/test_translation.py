@@ -94,7 +94,7 @@ RESPONSES = ApiShape(
 )
 ALL = (*SHAPES, MESSAGES, RESPONSES)
 
-# -- a chat-only engine answering from a script ---------------------------------------------------------------
+# -- a chat-only engine answering from a script --------------------------------------------------------------
 
 
 def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -209,7 +209,7 @@ def sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-# -- Messages -------------------------------------------------------------------------------------------------
+# -- Messages ------------------------------------------------------------------------------------------------
 
 
 def test_a_messages_request_reaches_a_chat_only_engine_as_chat_and_the_answer_comes_back_as_a_message(
@@ -374,7 +374,7 @@ def test_an_engine_serving_the_shape_gets_the_client_s_bytes_and_chat_is_untouch
     assert c.engines["a"].raw[-1] == chat_sent
 
 
-# -- Responses ------------------------------------------------------------------------------------------------
+# -- Responses -----------------------------------------------------------------------------------------------
 
 CODEX = {
     "model": "m",
