@@ -81,23 +81,18 @@ TRANSLATORS: Mapping[str, ChatTranslator] = {
 
 
 class Translation:
-    """The ``PrepareStep`` and ``BodyFilters`` above. ``natives``: per backend id, the shapes it serves
-    natively when they are not its dialect's (a build without ``/v1/messages``, a simulator with a shape
-    turned off)."""
+    """The ``PrepareStep`` and ``BodyFilters`` above."""
 
-    def __init__(
-        self,
-        natives: Mapping[str, frozenset[ShapeName]] | None = None,
-        translators: Mapping[str, ChatTranslator] = TRANSLATORS,
-    ) -> None:
-        self.natives = dict(natives or {})
+    def __init__(self, translators: Mapping[str, ChatTranslator] = TRANSLATORS) -> None:
         self.translators = translators
 
-    def serves(self, backend: Backend, shape: ShapeName) -> bool:
-        natives = self.natives.get(backend.id)
+    @staticmethod
+    def serves(backend: Backend, shape: ShapeName) -> bool:
+        """The backend's own ``native_shapes`` when configured, else its dialect's."""
+        natives = backend.cfg.native_shapes
         if natives is None:
-            natives = DIALECTS[backend.cfg.dialect].native_shapes
-        return shape in natives
+            return shape in DIALECTS[backend.cfg.dialect].native_shapes
+        return shape.value in natives
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         translator = self.translators.get(ctx.shape.name)

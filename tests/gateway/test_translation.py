@@ -30,6 +30,7 @@ from gateway.shapes.base import ApiShape, ErrorShape
 from gateway.shapes.table import SHAPES
 from gateway.translate import messages as messages_translate
 from gateway.translate import responses as responses_translate
+from routing.load import tie_break
 
 from clusters import Cluster, loop_of
 from upstreams import FakeEngine, _is_canary, serve
@@ -45,7 +46,7 @@ def validate(body: dict[str, Any]) -> str:
 
 
 def key(body: dict[str, Any], model: str, routing: RoutingConfig) -> str:
-    return f"t:{model}"
+    return f"t:{model}:{body.get('instructions') or ''}"
 
 
 def _last_usage(tail: bytes) -> dict[str, Any] | None:
@@ -179,18 +180,24 @@ class ChatOnly(FakeEngine):
 
 @pytest.fixture
 def gateway() -> Iterator[Any]:
-    """``gateway(engine, dialect)``: the engine behind a gateway serving ``ALL`` shapes."""
+    """``gateway(engine, dialect, more=[(engine, {backend fields})])``: engines behind a gateway serving
+    ``ALL`` shapes."""
     stack = contextlib.ExitStack()
 
-    def make(engine: FakeEngine, dialect: str = "openai") -> Cluster:
-        url, server = stack.enter_context(serve(engine.app()))
-        backends = [{"id": engine.name, "url": url, "models": list(engine.models), "dialect": dialect}]
+    def make(
+        engine: FakeEngine,
+        dialect: str = "openai",
+        more: list[tuple[FakeEngine, dict[str, Any]]] = (),  # type: ignore[assignment]
+    ) -> Cluster:
+        backends, servers = [], {}
+        for fake, extra in [(engine, {"dialect": dialect}), *more]:
+            url, servers[fake.name] = stack.enter_context(serve(fake.app()))
+            backends.append({"id": fake.name, "url": url, "models": list(fake.models), **extra})
         settings = load_settings(None, backends=backends, health={"interval_s": 0.2, "timeout_s": 1})
         app = create_app(settings, shapes=ALL)
         gw_url, gw_server = stack.enter_context(serve(app))
-        return Cluster(
-            gw_url, {engine.name: engine}, {engine.name: server}, app.state.gateway, loop_of(gw_server)
-        )
+        engines = {engine.name: engine, **{fake.name: fake for fake, _ in more}}
+        return Cluster(gw_url, engines, servers, app.state.gateway, loop_of(gw_server))
 
     with stack:
         yield make
@@ -426,3 +433,35 @@ def test_previous_response_id_cannot_reach_a_chat_engine(gateway: Any) -> None:
         client.responses.create(model="m", input="more", previous_response_id="resp_1")
     assert err.value.param == "previous_response_id"  # type: ignore[attr-defined]
     assert c.engines["a"].requests == []
+
+
+# -- per attempt ---------------------------------------------------------------------------------------------
+
+
+def test_a_backend_s_own_native_shapes_override_its_dialect_s(gateway: Any) -> None:
+    """vLLM serves both shapes; one configured ``native_shapes: [chat, completions]`` gets them as chat."""
+    plain, turned_off = ChatOnly("plain"), ChatOnly("off")
+    c = gateway(
+        plain,
+        dialect="vllm",
+        more=[(turned_off, {"dialect": "vllm", "native_shapes": ["chat", "completions"]})],
+    )
+    for n in range(2):  # two conversations: least-loaded puts the second on the other backend
+        body = {**CODEX, "instructions": f"session {n}"}
+        assert httpx.post(c.url + "/v1/responses", json=body).status_code == 200
+    assert plain.paths == ["/v1/responses"]
+    assert turned_off.paths == ["/v1/chat/completions"]
+
+
+def test_a_retry_on_an_engine_serving_the_shape_sends_the_client_s_own_bytes(gateway: Any) -> None:
+    first, second = sorted(["a", "b"], key=lambda name: tie_break("t:m:", name))  # the order they are tried
+    failing = ChatOnly(first, refuse=(500, {"error": {"message": "overloaded"}}))
+    native = ChatOnly(second)
+    c = gateway(failing, dialect="openai", more=[(native, {"dialect": "vllm"})])
+    sent = json.dumps({**ASK, "thinking": {"type": "enabled", "budget_tokens": 100}}).encode()
+    r = httpx.post(c.url + "/v1/messages", content=sent, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-warmroute-backend"] == second
+    assert failing.paths == ["/v1/chat/completions"]  # the first attempt: translated for its engine
+    assert "thinking_budget" not in failing.requests[0]  # nobody resolves it for this test shape: not sent
+    assert native.paths == ["/v1/messages"] and native.raw == [sent]  # the retry: the client's own bytes
