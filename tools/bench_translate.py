@@ -79,11 +79,25 @@ def baseline_ns(reads: list[bytes], repeats: int) -> float:
     return best
 
 
+def floor_ns(reads: list[bytes], repeats: int) -> float:
+    """One ``json.loads`` and one ``json.dumps`` per event: the least any translation that parses costs."""
+    docs = [read[6:-2] for read in reads[:-1]]
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter_ns()
+        for _ in range(repeats):
+            for doc in docs:
+                json.dumps(json.loads(doc))
+        best = min(best, (time.perf_counter_ns() - start) / (repeats * len(docs)))
+    return best
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_known_args(argv)[1]
     repeats = 5 if "--quick" in args else 40
     text, tool = stream(False), stream(True)
     print(f"splitter alone: {baseline_ns(text, repeats) / 1000:.2f} µs/event")
+    print(f"json floor (loads + dumps): {floor_ns(text, repeats) / 1000:.2f} µs/event")
     for shape in ("messages", "responses"):
         for name, reads in (("text", text), ("tool call", tool)):
             ns = per_event_ns(shape, reads, repeats)

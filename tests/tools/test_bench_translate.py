@@ -31,5 +31,5 @@ def test_the_benchmark_streams_translate_to_complete_answers() -> None:
 def test_a_quick_run_reports_every_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_translate.main(["--quick"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 5 and lines[0].startswith("splitter alone:")
+    assert len(lines) == 6 and lines[0].startswith("splitter alone:")
     assert all("µs/event" in line for line in lines)
