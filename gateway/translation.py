@@ -185,8 +185,14 @@ class _Stream(BodyFilterBase):
                 doc = json.loads(data)
             except ValueError:
                 raise UpstreamError(f"backend {self.backend} sent a stream event that is not JSON") from None
-            if isinstance(doc, dict):
+            if not isinstance(doc, dict):
+                continue
+            try:
                 out += self.stream.chunk(doc)
+            except (ValueError, LookupError, TypeError, AttributeError):
+                raise UpstreamError(
+                    f"backend {self.backend} sent a stream event that is not a chat chunk: {data[:200]!r}"
+                ) from None
 
     def end(self) -> list[Piece]:
         if self.failed is not None:

@@ -165,7 +165,8 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
             call_id = string_at(item.get("call_id"), f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
-            for part in item.get("content") or ():
+            parts = item.get("content")
+            for part in parts if isinstance(parts, list) else ():
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     reasoning.append(part["text"])
         else:
@@ -173,7 +174,8 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    given = item.get("role")
+    role = _ROLES.get(given) if isinstance(given, str) else None
     if role is None:
         raise BadRequest(
             f"'{where}.role' must be user, assistant, system or developer", param=f"{where}.role"
