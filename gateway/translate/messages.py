@@ -1,12 +1,14 @@
 """Anthropic Messages <-> OpenAI chat completions, for engines that serve chat only. Pure: bodies in, bodies
 out; the streamed answer through a small state machine fed one chat chunk at a time.
 
-Request: ``system`` (a string or text blocks, joined by a newline) becomes the first system message; user
-and assistant text and image blocks become chat content parts (an image's base64 source a ``data:`` URL);
+Request: ``system`` (a string or text blocks, joined by a newline) becomes the first system message; user and
+assistant text and image blocks become chat content parts (an image's base64 source a ``data:`` URL);
 ``tool_use`` blocks become the assistant message's ``tool_calls`` (input serialised as JSON arguments) and
-``tool_result`` blocks ``tool`` messages, placed before the user's other content; ``thinking`` blocks go back
-as ``reasoning_content``; ``tools`` become function tools; ``thinking`` becomes the gateway's budget fields
-(``thinking_budget`` for ``enabled``/``disabled``, ``reasoning_effort`` from ``output_config.effort``).
+``tool_result`` blocks ``tool`` messages, placed before the user's other content (a result's images, which a
+chat tool message cannot hold, open the user message after them: a screenshot a tool read); ``thinking``
+blocks go back as ``reasoning_content``; ``tools`` become function tools; ``thinking`` becomes the gateway's
+budget fields (``thinking_budget`` for ``enabled``/``disabled``, ``reasoning_effort`` from
+``output_config.effort``).
 
 Answer: text, thinking (from ``reasoning``/``reasoning_content``) and ``tool_use`` blocks (arguments parsed
 back to an object), ``stop_reason`` from ``finish_reason``, usage in Anthropic's terms: ``input_tokens`` is
@@ -56,8 +58,9 @@ UNTRANSLATED: tuple[Untranslated, ...] = (
     Untranslated("messages[].content[].type", Treatment.REFUSED, "document, search_result, server_tool_use "
                  "and other such blocks have no chat part; text, image, tool_use, tool_result and thinking "
                  "are translated"),
-    Untranslated("messages[].content[].content[].type", Treatment.REFUSED, "a chat tool message holds text "
-                 "only: images inside a tool_result are refused"),
+    Untranslated("messages[].content[].content[].type", Treatment.REFUSED, "a tool_result part other than "
+                 "text or image (a document, a search result) has no chat part; its images go to a user "
+                 "message right after the tool messages (a chat tool message holds text only)"),
     Untranslated("cache_control", Treatment.DROPPED, "prompt caching is the engine's own (automatic prefix "
                  "caching); the marker, top level or on any block, changes nothing"),
     Untranslated("messages[].content[].signature", Treatment.DROPPED, "thinking signatures are Anthropic's; "
@@ -75,7 +78,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
                 "function_call": "tool_use", "content_filter": "refusal"}  # fmt: skip
 _BUILT_IN = UNTRANSLATED[2]
 _BLOCK = UNTRANSLATED[3]
-_TOOL_IMAGE = UNTRANSLATED[4]
+_TOOL_PART = UNTRANSLATED[4]
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop",
              "max_tokens": "max_tokens"}  # fmt: skip
 _ANTHROPIC_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "max"}
@@ -132,6 +135,7 @@ def _message(msg: dict[str, Any], where: str) -> list[dict[str, Any]]:
     blocks = list_at(content, f"{where}.content")
     parts: list[dict[str, Any]] = []
     tools: list[dict[str, Any]] = []  # a user's tool results, or an assistant's tool calls
+    images: list[dict[str, Any]] = []  # the tool results' images: chat tool messages hold text only
     reasoning: list[str] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
@@ -144,7 +148,7 @@ def _message(msg: dict[str, Any], where: str) -> list[dict[str, Any]]:
         elif kind == "tool_use" and role == "assistant":
             tools.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
-            tools.append(_tool_result(block, at))
+            tools.append(_tool_result(block, at, images))
         elif kind == "thinking" and role == "assistant":
             reasoning.append(string_at(block.get("thinking"), f"{at}.thinking"))
         elif kind == "redacted_thinking":
@@ -152,6 +156,7 @@ def _message(msg: dict[str, Any], where: str) -> list[dict[str, Any]]:
         else:
             refuse(_BLOCK, f"{at}.type")
     if role == "user":
+        parts = images + parts
         return [*tools, *([{"role": "user", "content": _content(parts)}] if parts else [])]
     out: dict[str, Any] = {"role": "assistant", "content": _content(parts) if parts else None}
     if tools:
@@ -190,12 +195,21 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_result(block: dict[str, Any], where: str, images: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``tool`` message with the result's text; its images are appended to ``images``."""
     content = block.get("content")
     if isinstance(content, list):
+        texts = []
         for k, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") != "text":
-                refuse(_TOOL_IMAGE, f"{where}.content[{k}].type")
+            at = f"{where}.content[{k}]"
+            part = object_at(part, at)
+            if part.get("type") == "text":
+                texts.append({"type": "text", "text": string_at(part.get("text"), f"{at}.text")})
+            elif part.get("type") == "image":
+                images.append(_image(object_at(part.get("source"), f"{at}.source"), f"{at}.source"))
+            else:
+                refuse(_TOOL_PART, f"{at}.type")
+        content = texts
     text = text_of(content, f"{where}.content")
     return {
         "role": "tool",

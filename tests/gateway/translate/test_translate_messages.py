@@ -188,7 +188,7 @@ def test_tool_choices_and_structured_output() -> None:
                             {
                                 "type": "tool_result",
                                 "tool_use_id": "t",
-                                "content": [{"type": "image", "source": {}}],
+                                "content": [{"type": "document", "source": {}}],
                             }
                         ],
                     }
@@ -570,3 +570,28 @@ def _merged(raw: list[bytes]) -> list[tuple[str, Any]]:
 @given(st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=8))
 def test_any_chunking_of_the_chat_stream_gives_the_same_message(cuts: list[int]) -> None:
     assert _merged(run(_resplit(TOOL_STREAM, cuts))) == _merged(run(TOOL_STREAM))
+
+
+def test_a_tool_result_s_image_opens_the_user_message_after_the_tool_messages() -> None:
+    png = {"type": "base64", "media_type": "image/png", "data": "QUJD"}
+    turn = {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "t1",
+                "content": [{"type": "text", "text": "screenshot taken"}, {"type": "image", "source": png}],
+            },
+            {"type": "text", "text": "what do you see?"},
+        ],
+    }
+    assert messages.request({"model": "m", "max_tokens": 5, "messages": [turn]})["messages"] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "screenshot taken"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}},
+                {"type": "text", "text": "what do you see?"},
+            ],
+        },
+    ]
