@@ -9,8 +9,9 @@ only their name, their error rendering and their usage reader.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from gateway.app import create_app
 from gateway.context import canonical_json
 from gateway.errors import BadRequest, GatewayError
 from gateway.observe import Usage
-from gateway.shapes.base import ApiShape, ErrorShape
+from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse
 from gateway.shapes.table import SHAPES
 from gateway.translate import messages as messages_translate
 from gateway.translate import responses as responses_translate
@@ -187,14 +188,16 @@ def gateway() -> Iterator[Any]:
     def make(
         engine: FakeEngine,
         dialect: str = "openai",
-        more: list[tuple[FakeEngine, dict[str, Any]]] = (),  # type: ignore[assignment]
+        more: Sequence[tuple[FakeEngine, dict[str, Any]]] = (),
+        shapes: tuple[ApiShape, ...] = ALL,
+        **fields: Any,  # more backend fields of ``engine``
     ) -> Cluster:
         backends, servers = [], {}
-        for fake, extra in [(engine, {"dialect": dialect}), *more]:
+        for fake, extra in [(engine, {"dialect": dialect, **fields}), *more]:
             url, servers[fake.name] = stack.enter_context(serve(fake.app()))
             backends.append({"id": fake.name, "url": url, "models": list(fake.models), **extra})
         settings = load_settings(None, backends=backends, health={"interval_s": 0.2, "timeout_s": 1})
-        app = create_app(settings, shapes=ALL)
+        app = create_app(settings, shapes=shapes)
         gw_url, gw_server = stack.enter_context(serve(app))
         engines = {engine.name: engine, **{fake.name: fake for fake, _ in more}}
         return Cluster(gw_url, engines, servers, app.state.gateway, loop_of(gw_server))
@@ -465,3 +468,32 @@ def test_a_retry_on_an_engine_serving_the_shape_sends_the_client_s_own_bytes(gat
     assert failing.paths == ["/v1/chat/completions"]  # the first attempt: translated for its engine
     assert "thinking_budget" not in failing.requests[0]  # nobody resolves it for this test shape: not sent
     assert native.paths == ["/v1/messages"] and native.raw == [sent]  # the retry: the client's own bytes
+
+
+def test_a_translated_attempt_s_budget_is_spelled_for_chat_or_refused_where_only_the_gateway_could_cap_it(
+    gateway: Any,
+) -> None:
+    """A shape whose budget the endpoint resolves (here from ``thinking_budget``, as chat's): llama.cpp caps
+    thinking natively, so the chat request carries its budget fields; a generic server would need the
+    gateway's two phases, which stitch chat only: a 400 naming the budget, nothing sent."""
+    resolving = dataclasses.replace(MESSAGES, thinking=ThinkingUse.RESOLVE)
+    capped, uncapped = ChatOnly("capped"), ChatOnly("uncapped")
+    chat_only = ["chat", "completions"]  # llama.cpp serves /v1/messages itself: this build does not
+    c = gateway(capped, dialect="llamacpp", shapes=(*SHAPES, resolving), native_shapes=chat_only)
+    ask = {**ASK, "thinking_budget": 64, "thinking": {"type": "enabled", "budget_tokens": 64}}
+    assert httpx.post(c.url + "/v1/messages", json=ask).status_code == 200
+    sent = capped.requests[0]
+    assert (sent["thinking_budget_tokens"], sent["reasoning_budget_tokens"]) == (
+        64,
+        64,
+    )  # llama.cpp's spelling
+    assert (
+        "thinking_budget" not in sent and "thinking" not in sent
+    )  # the gateway's field and Anthropic's: gone
+    c = gateway(uncapped, dialect="openai", shapes=(*SHAPES, resolving))
+    refused = httpx.post(c.url + "/v1/messages", json=ask)
+    assert refused.status_code == 400
+    assert "cannot be stitched" in refused.json()["error"]["message"]
+    assert uncapped.requests == []
+    c.wait_idle()
+    assert c.in_flight() == 0
