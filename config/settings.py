@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -414,6 +414,11 @@ class BackendConfig(_Section):
         description="Engine kind: how it spells thinking budgets and continuations, where it writes "
         "reasoning, which /metrics names it publishes (openai: any engine's), whether it takes image "
         "embeddings",
+    )
+    native_shapes: tuple[Literal["chat", "completions", "messages", "responses"], ...] | None = Field(
+        default=None,
+        description="Client API shapes it serves itself; a request of another shape is translated to chat "
+        "for it. Default: its dialect's (a build without /v1/messages, a simulator with a shape off: say so)",
     )
     api_key: str | None = Field(default=None, description="Sent upstream instead of the client's key")
     forward_client_key: bool = Field(

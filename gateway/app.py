@@ -55,6 +55,7 @@ from gateway.shapes.table import PASSTHROUGH, RESPONSES, SHAPES
 from gateway.sidecar import SidecarClient, SidecarHost
 from gateway.state import AffinityStore, MemoryAffinityStore
 from gateway.status_page import StatusPage
+from gateway.translation import Translation
 from gateway.upstream import UpstreamPool
 from gateway.vision import VisionRouting, VisionStep, no_embeds
 from gateway.volatile import VolatileStrip
@@ -157,6 +158,9 @@ class Gateway:
         guard = settings.guard
         volatile = rules_for(settings.routing.volatile_prefixes)
         return (
+            # First: its prepare step makes a translated attempt's draft chat before any other step shapes
+            # it, and its body filter gives every later filter and the observers the client's shape.
+            Translation(),
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.quotas] if self.quotas is not None else []),  # first: over quota, nothing waits or wakes
             ResponseOwnership(self.store, self.registry),  # before the waiting room: an unknown id waits not

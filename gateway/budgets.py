@@ -121,13 +121,16 @@ class BudgetStep:
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         if ctx.shape.thinking is ThinkingUse.IGNORE:
             return  # a shape without budgets: its body is the client's
-        if ctx.shape.thinking is ThinkingUse.EFFORT:
-            self._effort(ctx, backend, draft)
-            return
         thinking = ctx.thinking
-        if ctx.shape.thinking_ask is not None:
-            self._own_fields(ctx, backend, draft)
-            return
+        # An attempt translated to chat (gateway/translation.py) carries chat's fields whatever its client
+        # shape: it is spelled as a chat request (below), never in the client shape's own fields.
+        if ctx.attempt is None or ctx.attempt.translated is None:
+            if ctx.shape.thinking is ThinkingUse.EFFORT:
+                self._effort(ctx, backend, draft)
+                return
+            if ctx.shape.thinking_ask is not None:
+                self._own_fields(ctx, backend, draft)
+                return
         body = draft.read()
         if thinking is None:
             if body is not None and BUDGET_FIELD in body:
@@ -135,6 +138,15 @@ class BudgetStep:
             return
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
+        if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
+            # The two phases stitch chat answers and continue the client's chat body; a translated answer
+            # reaches the filters in the client's shape. Refused, never sent uncapped.
+            raise BadRequest(
+                f"backend {backend.id} would need the gateway to cap thinking, and a request translated to "
+                f"chat for it ({ctx.attempt.translated}) cannot be stitched; send it to /v1/chat/completions "
+                "or to an engine that caps thinking itself",
+                param=BUDGET_FIELD,
+            )
         shaped = draft.edit()
         DIALECTS[dialect].budget.shape(shaped, thinking, native=not enforced)
         if enforced:

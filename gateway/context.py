@@ -100,6 +100,12 @@ class Attempt:
 
     backend: Backend
     draft: Draft
+    #: Where this attempt goes upstream: the request's own path, unless a prepare step sends it elsewhere
+    #: (a shape the backend lacks is translated to chat: gateway/translation.py).
+    path: str = ""
+    #: The client shape this attempt's body was translated from (its name), None when sent as is: the
+    #: engine answers in chat, and the translation's body filter gives the client its own shape back.
+    translated: str | None = None
     #: The answer's usage when a body filter put it together (a stitched follow-up), for the observers:
     #: what the relayed bytes say otherwise (gateway/observe.py).
     usage: Usage | None = None

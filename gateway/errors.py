@@ -163,5 +163,19 @@ class EngineFailed(UpstreamError):
         return [] if self.retry_after is None else [(b"retry-after", self.retry_after)]
 
 
+class EngineRefused(GatewayError):
+    """An engine's own error answer (a 4xx, or a 5xx relayed), re-rendered in the client's shape because the
+    request was translated for it (gateway/translation.py): its status, message and param as the engine
+    gave them."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
+        self.status = status
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+        self.code = code or ("invalid_request" if status < 500 else "engine_error")
+
+
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()

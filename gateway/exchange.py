@@ -312,11 +312,14 @@ class Relay:
         backend = ctx.lease.backend
         forward = ctx.client is None or backend.cfg.forward_client_key
         headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
+        path = (
+            ctx.path if ctx.attempt is None else ctx.attempt.path
+        )  # where this attempt's first exchange went
         watch.sending = True  # waiting for its head is timed by first_byte_s, as on a first attempt
         try:
             async with asyncio.timeout(self.timeouts.first_byte_s):
                 response = await self.transport.request(
-                    "POST", backend.cfg.url, ctx.path, headers, canonical_json(payload)
+                    "POST", backend.cfg.url, path, headers, canonical_json(payload)
                 )
         except TimeoutError:
             raise UpstreamTimeout(f"backend {backend.id} sent no continuation in time") from None

@@ -153,7 +153,9 @@ class Recorder:
         if found is not None:
             rid = found.group(1).decode("latin-1")
             self._pattern, self._head = None, b""
-            lease = self._ctx.lease
+            lease, attempt = self._ctx.lease, self._ctx.attempt
+            if attempt is not None and attempt.translated is not None:
+                return  # answered by a chat engine through the gateway's translation: stored nowhere
             if lease is not None and RESPONSE_ID.fullmatch(rid):
                 await self._store.own(rid, lease.backend.id)
             return

@@ -286,7 +286,7 @@ class Proxy:
         inputs = self.phases.route_inputs
         if inputs is not None and ctx.route is not None:
             inputs.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
-        ctx.attempt = attempt = Attempt(backend, Draft(ctx.body))
+        ctx.attempt = attempt = Attempt(backend, Draft(ctx.body), ctx.path)
         payload = ctx.raw
         if ctx.body is not None:  # only bodies an endpoint owns are shaped; passthrough bodies go as they are
             for step in self.phases.prepare:
@@ -298,7 +298,7 @@ class Proxy:
         try:
             async with asyncio.timeout(budget):
                 response = await self.transport.request(
-                    ctx.method, backend.cfg.url, ctx.path, headers, payload
+                    ctx.method, backend.cfg.url, attempt.path, headers, payload
                 )
         except TimeoutError:
             self.feed.outcome(backend_id, False)

@@ -68,7 +68,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture
 def cluster() -> Iterator[ClusterFactory]:
-    """``cluster(["a", "b"], routing={...}, ...)`` starts fake engines and a gateway in front of them."""
+    """``cluster(["a", "b"], routing={...}, ...)`` starts fake engines and a gateway in front of them
+    (``backend``: settings every backend gets, e.g. its dialect)."""
     stack = contextlib.ExitStack()
 
     def make(
@@ -76,6 +77,7 @@ def cluster() -> Iterator[ClusterFactory]:
         engines: list[FakeEngine] | None = None,
         modules: tuple[object, ...] = (),
         shapes: tuple[ApiShape, ...] = SHAPES,
+        backend: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> Cluster:
         fakes = engines or [FakeEngine(n) for n in (names or ["a", "b"])]
@@ -84,7 +86,14 @@ def cluster() -> Iterator[ClusterFactory]:
         for fake in fakes:
             urls[fake.name], servers[fake.name] = stack.enter_context(serve(fake.app()))
         backends = [
-            {"id": f.name, "url": urls[f.name], "models": list(f.models), "api_key": f.api_key} for f in fakes
+            {
+                "id": f.name,
+                "url": urls[f.name],
+                "models": list(f.models),
+                "api_key": f.api_key,
+                **(backend or {}),
+            }
+            for f in fakes
         ]
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
         settings = load_settings(None, backends=backends, **overrides)

@@ -5,6 +5,8 @@
   environment variable and description.
 - ``docs/reference/admin-api.md``: every operation of the admin API's OpenAPI document.
 - ``docs/reference/metrics.md``: every series a gateway exports, from its live registry.
+- ``docs/reference/translation.md``: the fields translation to chat refuses or drops, from the translators'
+  own tables (gateway/translate/).
 
 tests/test_docs.py fails when a committed page differs from what this writes.
 """
@@ -29,6 +31,8 @@ from config.settings import Settings, load_settings
 from gateway.admin.openapi import document
 from gateway.app import Gateway, HotPath, create_app
 from gateway.auth import AccessGuard
+from gateway.translate.common import Treatment
+from gateway.translation import TRANSLATORS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -287,6 +291,35 @@ def metrics(gw: Gateway) -> str:
     return "\n".join(lines)
 
 
+# --- translation ------------------------------------------------------------------------------------------
+
+_TRANSLATED = {
+    "messages": "`POST /v1/messages` (Anthropic Messages)",
+    "responses": "`POST /v1/responses` (OpenAI Responses)",
+}
+
+
+def translation() -> str:
+    lines = [
+        GENERATED.format(source="the translators' tables (gateway/translate/)"),
+        "# Translation reference\n",
+        "A request of a shape the chosen engine does not serve natively (its `dialect`'s native shapes: "
+        "[engines](../engines.md#api-shapes-and-translation)) is translated to `POST "
+        "/v1/chat/completions` and the answer back, streamed or whole. Everything not listed below is "
+        "translated: messages and items, text and image parts, tool calls and tool results, tools and "
+        "tool choice, sampling fields, token limits, reasoning (and thinking controls, as the gateway's "
+        "budget fields), structured output, and usage with cached tokens. A refused field is a 400 in the"
+        " route's own error shape whose `param` names it; a dropped one is left out of the chat request.\n",
+    ]
+    for name, translator in TRANSLATORS.items():
+        lines += [f"## {_TRANSLATED.get(name, name)}\n", "| field | treatment | why |", "|---|---|---|"]
+        for entry in translator.untranslated:
+            verb = "**400**" if entry.treatment is Treatment.REFUSED else "dropped"
+            lines.append(f"| `{entry.field}` | {verb} | {_cell(entry.why)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 # --- the site's front page --------------------------------------------------------------------------------
 
 
@@ -303,6 +336,7 @@ def render() -> dict[Path, str]:
         DOCS / "reference" / "configuration.md": configuration(),
         DOCS / "reference" / "admin-api.md": admin_api(gw),
         DOCS / "reference" / "metrics.md": metrics(gw),
+        DOCS / "reference" / "translation.md": translation(),
     }
 
 

@@ -3,6 +3,8 @@ messages, streams and token counts work, and the gateway's errors read as the SD
 
 from __future__ import annotations
 
+import functools
+
 import anthropic
 import pytest
 from messages_engine import COUNTED, AnthropicEngine
@@ -10,6 +12,12 @@ from messages_engine import COUNTED, AnthropicEngine
 from clusters import Cluster, ClusterFactory
 
 KEY = "sk-team"
+
+
+@pytest.fixture
+def cluster(cluster: ClusterFactory) -> ClusterFactory:
+    """Fake engines that serve /v1/messages natively (for the default dialect, openai, it is translated)."""
+    return functools.partial(cluster, backend={"native_shapes": ["chat", "completions", "messages"]})
 
 
 @pytest.fixture

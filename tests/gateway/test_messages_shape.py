@@ -5,6 +5,7 @@ bodies per status, client keys as ``x-api-key``, thinking budgets and images."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,12 @@ from upstreams import serve
 MSG = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
 SYSTEM = "You are a coding agent. " * 20
+
+
+@pytest.fixture
+def cluster(cluster: ClusterFactory) -> ClusterFactory:
+    """Fake engines that serve /v1/messages natively (for the default dialect, openai, it is translated)."""
+    return functools.partial(cluster, backend={"native_shapes": ["chat", "completions", "messages"]})
 
 
 def turn1(**extra: Any) -> dict[str, Any]:
