@@ -150,4 +150,10 @@ class Draft:
 
 
 def canonical_json(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    """``body`` as compact JSON, UTF-8. A lone surrogate (valid JSON as an escape, not encodable as UTF-8)
+    keeps its escape: the whole body is then written ASCII-escaped, still the same bytes for the same body."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()

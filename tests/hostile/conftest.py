@@ -48,15 +48,19 @@ def start_gateway(
     engines: list[FakeEngine] | None = None,
     raw_engines: dict[str, str] | None = None,
     wrap: Callable[[ASGIApp], ASGIApp] | None = None,
+    backend: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> HostileGateway:
     """Fake engine "a" (or ``engines``) and a gateway served through ``gateway.server.uvicorn_config`` (the
     real protocol class), with short deadlines unless overridden; all stopped when ``stack`` closes.
     ``raw_engines``: backend id -> URL of an engine served elsewhere (a HostileEngine), model "m".
-    ``wrap``: ASGI middleware around the app, outermost (e.g. to record what the app was asked)."""
+    ``wrap``: ASGI middleware around the app, outermost (e.g. to record what the app was asked).
+    ``backend``: settings every fake engine's backend gets (e.g. its ``native_shapes``)."""
     fakes = engines if engines is not None else [FakeEngine("a")]
     urls = {f.name: stack.enter_context(serve(f.app()))[0] for f in fakes}
-    backends = [{"id": f.name, "url": urls[f.name], "models": list(f.models)} for f in fakes]
+    backends = [
+        {"id": f.name, "url": urls[f.name], "models": list(f.models), **(backend or {})} for f in fakes
+    ]
     backends += [{"id": name, "url": url, "models": ["m"]} for name, url in (raw_engines or {}).items()]
     overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
     # Hostile engines script one answer per path, not a model: a canary is beside the point here.

@@ -21,7 +21,11 @@ USER = b'{"role": "user", "content": "hi"}'
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[HostileGateway]:
     with contextlib.ExitStack() as stack:
-        yield start_gateway(stack, engines=[AnthropicEngine("a")])
+        yield start_gateway(
+            stack,
+            engines=[AnthropicEngine("a")],
+            backend={"native_shapes": ["chat", "completions", "messages"]},
+        )
 
 
 @pytest.fixture
@@ -172,3 +176,18 @@ def test_hostile_json_is_refused_with_one_line_and_the_gateway_carries_on(
 def test_a_body_over_the_size_limit_is_a_413_in_anthropic_s_shape(c: HostileGateway) -> None:
     big = _body(b', "system": "' + b"x" * (c.gateway.settings.limits.max_body_bytes + 1) + b'"')
     _refused(c, _post(c, big), 413, "request_too_large")
+
+
+def test_a_surrogate_after_the_head_survives_translation_to_chat() -> None:
+    """An engine without /v1/messages (the default dialect) gets the chat translation: a lone surrogate the
+    client sent as an escape reaches it as that escape (the body is re-serialised ASCII-escaped), never a 500."""
+    with contextlib.ExitStack() as stack:
+        c = start_gateway(stack)  # fake engine "a" speaks chat only
+        later = USER + b', {"role": "assistant", "content": "\\ud800"}, ' + USER
+        r = _post(c, _body(b"", later))
+        assert r.status_code == 200 and r.json()["type"] == "message", r.text
+        engine = c.engines["a"]
+        assert engine.paths == ["/v1/chat/completions"]
+        assert b'"content":"\\ud800"' in engine.raw[0] and engine.raw[0].isascii()
+        assert engine.requests[0]["messages"][1] == {"role": "assistant", "content": "\ud800"}
+        assert c.gateway.registry.total_in_flight() == 0
