@@ -180,7 +180,7 @@ def test_a_body_over_the_size_limit_is_a_413_in_anthropic_s_shape(c: HostileGate
 
 def test_a_surrogate_after_the_head_survives_translation_to_chat() -> None:
     """An engine without /v1/messages (the default dialect) gets the chat translation: a lone surrogate the
-    client sent as an escape reaches it as that escape (the body is re-serialised ASCII-escaped), never a 500."""
+    client sent as an escape reaches it as that escape (the body is re-serialised ASCII-escaped): no 500."""
     with contextlib.ExitStack() as stack:
         c = start_gateway(stack)  # fake engine "a" speaks chat only
         later = USER + b', {"role": "assistant", "content": "\\ud800"}, ' + USER
