@@ -10,7 +10,10 @@
   idle for longer do not count at all);
 - after sending (``sent``): the request's uncached tokens queue on its backend until the first byte;
 - in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
-  typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens.
+  typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens, and
+  each backend's cache retention (``routing.retention``: what a follow-up sent home found cached there).
+  Rates and retention reach the backends (the candidates' snapshot) when the speeds are recomputed, at most
+  every ``_REFRESH_S``: per request that recomputation was the largest share of this module's CPU.
 
 State here is this process's own (with Redis, pins and in-flight counts are shared; all of this is local
 and rebuilt from traffic within a minute). Synchronous and I/O-free, like every observer.
@@ -31,6 +34,7 @@ from routing.holders import HeadHolders
 from routing.keys import first_reply, reply_key
 from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
 from routing.policies import Policy
+from routing.retention import RetentionEstimator
 from routing.settle import settle_pin
 from routing.shape import chat_shape
 from routing.speed import Ewma, SpeedEstimator
@@ -42,6 +46,8 @@ _REPLIES_TTL_S = 3600.0
 _MAX_ENTRIES = 200_000
 #: A holder whose reported cached tokens fall below this share of the head has lost it.
 _HELD_SHARE = 0.5
+#: Learned rates and retention are recomputed and published at most this often (seconds).
+_REFRESH_S = 0.25
 
 
 class RoutingFeedback:
@@ -56,11 +62,11 @@ class RoutingFeedback:
         self.clock = clock
         self.session_header = session_header.lower().encode()
         weights = {b.id: b.cfg.weight for b in registry.backends.values()}
-        self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
+        self.speeds = SpeedEstimator(weights, params.speed_half_life_s, refresh_s=_REFRESH_S)
+        self.retention = RetentionEstimator(params.speed_half_life_s)
         self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
         self.replies = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # extended key -> first reply's backend
-        self.heads = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # head key -> backend of its latest turn 1
-        self.holders = HeadHolders(_MAX_ENTRIES)
+        self.holders = HeadHolders(_MAX_ENTRIES)  # head key -> its holders and its latest turn 1's backend
         self.chars_per_token = Ewma(DEFAULT_CHARS_PER_TOKEN)
         self.turn_tokens = Ewma(DEFAULT_TURN_TOKENS)
         self._publish_rates()
@@ -99,8 +105,8 @@ class RoutingFeedback:
         elif pinned is None:
             # The backend that produced this first reply; else (a client that does not resend replies as
             # they were, an unobserved reply) the one that served this head's latest first turn here.
-            now = self.clock()
-            hint = self.replies.get(ctx.affinity_key, now) or self.heads.get(info.head_key, now)
+            hint = self.replies.get(ctx.affinity_key, self.clock()) or self.holders.latest(info.head_key)
+        info.home = None if info.first_turn else pinned or hint
         return RouteRequest(
             ctx.affinity_key,
             pinned,
@@ -148,11 +154,8 @@ class RoutingFeedback:
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
         backend = lease.backend.id
-        now = self.clock()
         self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
-        self.holders.add(info.head_key, backend)
-        if info.first_turn:
-            self.heads.move(info.head_key, backend, now)
+        self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------
 
@@ -161,6 +164,7 @@ class RoutingFeedback:
         if info is None or obs.outcome is not RequestOutcome.OK:
             return
         now = self.clock()
+        added = None
         if obs.backend not in self.speeds.weights:  # added at runtime (the admin API): its prior first
             added = self.registry.backends.get(obs.backend)
             if added is not None:
@@ -172,9 +176,8 @@ class RoutingFeedback:
                 self.chars_per_token.add(info.prompt_chars / usage.prompt_tokens)
             if usage.cached_tokens is not None:
                 uncached = usage.prompt_tokens - usage.cached_tokens
-                head = info.head_chars / self.chars_per_token.value
-                if usage.cached_tokens < _HELD_SHARE * head and not info.first_turn:
-                    self.holders.drop(info.head_key, obs.backend)
+                if not info.first_turn:
+                    self._held(info, obs.backend, usage.prompt_tokens, usage.cached_tokens, now)
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
@@ -191,12 +194,24 @@ class RoutingFeedback:
         # Active until its next turn (or the window's end): keyed as that turn will be, so each of several
         # twins sharing one head counts once.
         self.active.move(next_key, obs.backend, now)
-        self._publish_rates()
+        if self.speeds.refresh(now) or added is not None:
+            self._publish_rates(now)
 
-    def _publish_rates(self) -> None:
-        rates = self.speeds.prefill_tps
+    def _held(self, info: RouteInfo, backend: str, prompt: int, cached: int, now: float) -> None:
+        """A follow-up's reported cached tokens: the head still held there, the home's retention."""
+        cpt = self.chars_per_token.value
+        if cached < _HELD_SHARE * info.head_chars / cpt:
+            self.holders.drop(info.head_key, backend)
+        if backend == info.home:
+            self.retention.sample(backend, prompt - info.tail_chars / cpt, cached, now)
+
+    def _publish_rates(self, now: float | None = None) -> None:
+        if now is not None:
+            self.retention.refresh(now)
+        rates, kept = self.speeds.prefill_tps, self.retention.retention
         for b in self.registry.backends.values():
             b.prefill_tps = rates.get(b.id, 0.0)
+            b.retention = kept.get(b.id, 1.0)
 
     def _has_session(self, ctx: RequestContext) -> bool:
         name = self.session_header

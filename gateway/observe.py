@@ -46,6 +46,7 @@ class RouteInfo:
     tail_chars: int = 0  # after the last assistant message (the whole prompt on turn 1)
     uncached_tokens: int = 0  # the estimate for the backend the request went to
     queued_tokens: int = 0  # prefill estimated ahead of it there when it was sent
+    home: str | None = None  # a follow-up's pinned backend or twin hint: where its history should be cached
 
 
 @dataclass(frozen=True, slots=True)

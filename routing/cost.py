@@ -4,13 +4,18 @@
 
 - ``rate``: the backend's prefill rate (learned by the gateway, ``routing.speed``; before that the weight
   times ``DEFAULT_PREFILL_TPS``).
-- ``uncached``: prompt tokens it does not hold. The pinned backend (or the one that produced this
-  conversation's first reply) holds all but the tail appended since the last reply; a backend that recently
-  prefilled the same head holds the head; any other holds nothing the gateway knows of.
+- ``uncached``: prompt tokens it does not hold. When the request carries the engines' own word
+  (``RouteRequest.engine_cached``, from their KV cache events) a backend listed there holds what it says.
+  Otherwise it is inferred: the pinned backend (or the one that produced this conversation's first reply)
+  holds all but the tail appended since the last reply; a backend that recently prefilled the same head
+  holds the head; any other holds nothing the gateway knows of. An inferred hold is scaled by the
+  backend's ``retention``: an engine under cache pressure keeps only part of what it was sent.
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
 - ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
-  about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
+  about one turn's tokens soon; counting them spreads new conversations before the queue shows it. Where
+  the backend evicts (``retention`` < 1), each of those turns also re-reads the share of its history it
+  lost (this request's prompt stands for a typical history): new conversations go where there is room.
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -26,11 +31,18 @@ def rate(c: Candidate) -> float:
 
 
 def cached_tokens(c: Candidate, request: RouteRequest) -> int:
+    reported = request.engine_cached
+    if reported is not None:
+        held = reported.get(c.id)
+        if held is not None:
+            return min(max(0, held), request.prompt_tokens)
     if c.id == request.pinned or c.id == request.hint:
-        return max(0, request.prompt_tokens - request.tail_tokens)
-    if c.id in request.holders:
-        return min(request.head_tokens, request.prompt_tokens)
-    return 0
+        held = max(0, request.prompt_tokens - request.tail_tokens)
+    elif c.id in request.holders:
+        held = min(request.head_tokens, request.prompt_tokens)
+    else:
+        return 0
+    return held if c.retention >= 1.0 else int(held * c.retention)
 
 
 def uncached_tokens(c: Candidate, request: RouteRequest) -> int:
@@ -42,22 +54,28 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
     return max(c.prefilling, reported)
 
 
+def turn_load_tokens(c: Candidate, request: RouteRequest) -> float:
+    """Tokens one active conversation there is expected to prefill on its next turn."""
+    turn = request.turn_tokens
+    if c.retention >= 1.0:
+        return turn
+    return turn + (1.0 - c.retention) * request.prompt_tokens
+
+
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     """``cost(...).total_s`` without building the ``Cost`` (same arithmetic, same float): the hot path's."""
     r = rate(c)
-    turn = request.turn_tokens
     return (
-        queued_tokens(c, turn) / r
+        queued_tokens(c, request.turn_tokens) / r
         + uncached_tokens(c, request) / r
-        + (c.conversations + c.in_flight) * turn * load_share / r
+        + (c.conversations + c.in_flight) * turn_load_tokens(c, request) * load_share / r
     )
 
 
 def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
     r = rate(c)
-    turn = request.turn_tokens
     uncached = uncached_tokens(c, request)
-    queue_s = queued_tokens(c, turn) / r
+    queue_s = queued_tokens(c, request.turn_tokens) / r
     prefill_s = uncached / r
-    load_s = (c.conversations + c.in_flight) * turn * load_share / r
+    load_s = (c.conversations + c.in_flight) * turn_load_tokens(c, request) * load_share / r
     return Cost(c.id, uncached, queue_s, prefill_s, load_s, queue_s + prefill_s + load_s)
