@@ -3,10 +3,10 @@
     python -m tools.bench_proxy [--paths hit,new] [--seconds 5] [--rounds 3] [--concurrency 32] [--json F]
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
-completion), the gateway (one uvicorn worker, affinity policy, in-memory state) and the load generator (wrk
-when installed, else a Python client at 1 connection only, which is slower and makes the numbers
-pessimistic). Every request body has the same size (a ~300-byte system prompt and a ~200-byte first user
-message, built per request by a wrk Lua script); the paths differ in what makes the conversation:
+completion), the gateway (one uvicorn worker, ``--policy``: ttft by default, in-memory state) and the load
+generator (wrk when installed, else a Python client at 1 connection only, which is slower and makes the
+numbers pessimistic). Every request body has the same size (a ~300-byte system prompt and a ~200-byte first
+user message, built per request by a wrk Lua script); the paths differ in what makes the conversation:
 
 - ``hit``: one conversation, every request an affinity hit (only the OpenAI ``user`` field varies);
 - ``new``: every request a new conversation: a distinct first user message, no session header, so the
@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from tools.bench_memory import GcPauses, conversation_body, rss_bytes
-from tools.bench_proxy_report import PathResult, Run, medians, path_lines, table, targets
+from tools.bench_proxy_report import NEW_REASONS, PathResult, Run, medians, path_lines, table, targets
 from tools.bench_report import percentile
 from tools.procs import child, free_port, python, wait_http
 
@@ -298,7 +298,7 @@ class Bench:
             (result.sequential if n == 1 else result.concurrent).update(runs)
         after = self.gateway.decisions()
         result.decisions = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
-        result.claims_so_far = after.get("new_least_loaded", 0.0)
+        result.claims_so_far = sum(after.get(reason, 0.0) for reason in NEW_REASONS)
         result.rss_after_bytes, result.entries_after = self.gateway.rss_bytes(), self.gateway.entries()
         return result
 
@@ -342,7 +342,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--policy", default="affinity", help="the gateway's routing policy (affinity, ttft, ...)")
+    ap.add_argument("--policy", default="ttft", help="the gateway's routing policy (ttft, affinity, ...)")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
     args = ap.parse_args(argv)
@@ -361,7 +361,7 @@ def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
     return python("-c", _PROBED, str(gc_file), *serve)
 
 
-def _gateway_config(gw_port: int, up_port: int, policy: str = "affinity") -> dict[str, Any]:
+def _gateway_config(gw_port: int, up_port: int, policy: str = "ttft") -> dict[str, Any]:
     return {
         "server": {"port": gw_port, "log_level": "warning"},
         "backends": [{"id": "up", "url": f"http://127.0.0.1:{up_port}", "models": ["bench"]}],
