@@ -85,7 +85,10 @@ class RoutingFeedback:
             return
         shape = chat_shape(messages)
         info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
-        if shape.turn > 1 and not self._has_session(ctx):
+        # A session id names the conversation itself: its pin is its own from the first request on (agent
+        # sessions of one identical head are separate conversations), and no reply tells it apart.
+        info.own_key = self._has_session(ctx)
+        if shape.turn > 1 and not info.own_key:
             reply = first_reply(messages)
             if reply is not None:
                 ctx.route_key = reply_key(ctx.key, reply)
@@ -97,7 +100,7 @@ class RoutingFeedback:
         cpt = self.chars_per_token.value
         holders = self.holders.get(info.head_key)
         hint = None
-        if info.first_turn:
+        if info.twin_head:
             # The head's pin only says who prefilled the head (a twin, or this conversation's turn 1).
             if pinned is not None:
                 holders = holders | {pinned}
@@ -106,7 +109,7 @@ class RoutingFeedback:
             # The backend that produced this first reply; else (a client that does not resend replies as
             # they were, an unobserved reply) the one that served this head's latest first turn here.
             hint = self.replies.get(ctx.affinity_key, self.clock()) or self.holders.latest(info.head_key)
-        info.home = None if info.first_turn else pinned or hint
+        info.home = None if info.twin_head else pinned or hint
         return RouteRequest(
             ctx.affinity_key,
             pinned,
@@ -142,7 +145,7 @@ class RoutingFeedback:
     def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
         """The pin ``decision`` may write (``routing.settle``): a first turn never claims its twin's head."""
         info = ctx.route
-        return decision if info is None else settle_pin(decision, first_turn=info.first_turn, pinned=pinned)
+        return decision if info is None else settle_pin(decision, first_turn=info.twin_head, pinned=pinned)
 
     # -- after sending --------------------------------------------------------------------------------
 
@@ -188,7 +191,7 @@ class RoutingFeedback:
         next_key = obs.key
         if not info.first_turn:
             self.turn_tokens.add(uncached)
-        elif obs.reply is not None:
+        elif obs.reply is not None and not info.own_key:
             next_key = reply_key(info.head_key, obs.reply)
             self.replies.move(next_key, obs.backend, now)
         # Active until its next turn (or the window's end): keyed as that turn will be, so each of several

@@ -47,6 +47,12 @@ class RouteInfo:
     uncached_tokens: int = 0  # the estimate for the backend the request went to
     queued_tokens: int = 0  # prefill estimated ahead of it there when it was sent
     home: str | None = None  # a follow-up's pinned backend or twin hint: where its history should be cached
+    own_key: bool = False  # keyed by a session id: the key names this conversation alone, never a twin's head
+
+    @property
+    def twin_head(self) -> bool:
+        """A first turn keyed by its head: a pin under that key is whoever prefilled the head first."""
+        return self.first_turn and not self.own_key
 
 
 @dataclass(frozen=True, slots=True)
