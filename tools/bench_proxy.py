@@ -10,7 +10,8 @@ user message, built per request by a wrk Lua script); the paths differ in what m
 
 - ``hit``: one conversation, every request an affinity hit (only the OpenAI ``user`` field varies);
 - ``new``: every request a new conversation: a distinct first user message, no session header, so the
-  gateway hashes the head (``chat_key``) and claims a pin: what every real conversation's first turn costs;
+  gateway hashes the head (``chat_key``) and claims a pin: what every real conversation's placement costs;
+  (every body is a second turn, ``TURN_TWO``, so the two paths have one template and one size);
 - ``new-session``: the hit body with a distinct ``x-session-id`` per request (``session_key``, no hashing).
 
 Per path: added latency at 1 connection (p50/p99 through the gateway minus direct, round by round) and
@@ -107,8 +108,15 @@ end
 """
 
 
+#: Every body is a conversation's second turn (a reply, then the next user message): under the ttft policy
+#: an identical first turn sent again is a twin of an identical head, a new conversation, not a hit.
+TURN_TWO = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+
+
 def template() -> str:
-    text = json.dumps(conversation_body(KEY_SLOT, USER_SLOT))
+    body = conversation_body(KEY_SLOT, USER_SLOT)
+    body["messages"] = [*body["messages"], *TURN_TWO]
+    text = json.dumps(body)
     assert text.index(KEY_SLOT) < text.index(USER_SLOT), "the Lua script fills the key slot first"
     return text
 
