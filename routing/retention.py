@@ -8,7 +8,10 @@ as the learned speeds (``routing.speed``), with a prior of ``prior_tokens`` held
     retention = (held + prior_tokens) / (expected + prior_tokens)
 
 so a backend without evidence is taken to keep what it is sent, and an old eviction fades within a few
-half-lives. ``refresh(now)`` decays every value (called when the speeds are recomputed); a sample updates
+half-lives. A follow-up that found at least ``FULL_SHARE`` of what was expected counts as found in full: the
+expectation is an estimate (characters over a learned ratio, block rounding), and a systematic shortfall of a
+few percent on every engine is not eviction; it would only tilt every cost alike.
+``refresh(now)`` decays every value (called when the speeds are recomputed); a sample updates
 its own backend's value. Pure: ``now`` is passed in.
 """
 
@@ -17,6 +20,9 @@ from __future__ import annotations
 import math
 
 from routing.speed import DecayedSums
+
+#: A hold of at least this share of the expected prefix counts as all of it (estimate noise, not eviction).
+FULL_SHARE = 0.8
 
 
 class RetentionEstimator:
@@ -36,7 +42,8 @@ class RetentionEstimator:
         if s is None:
             s = self._sums[backend] = DecayedSums()
         # The sums' two fields hold (held, expected) here.
-        s.add(min(max(0.0, held), expected), expected, now, self.half_life_s)
+        held = expected if held >= FULL_SHARE * expected else max(0.0, held)
+        s.add(held, expected, now, self.half_life_s)
         self.retention[backend] = self._value(s.tokens, s.seconds)
 
     def refresh(self, now: float) -> None:

@@ -191,10 +191,11 @@ def test_a_follow_up_sent_home_teaches_its_backends_retention_and_others_do_not(
     feedback.observe(away)
     a = proxy.registry.backends["a"]
     assert a.retention == 1.0 and feedback.retention.retention == {}
-    home = observation(feedback)  # expected all 10,000 prompt tokens (no tail) cached at home; 8,000 were
+    # Expected all 10,000 prompt tokens (no tail) cached at home; 5,000 were.
+    home = observation(feedback, usage=Usage(10_000, 41, 5000))
     assert home.route is not None
     home.route.home = "a"
     feedback.observe(home)
-    # (8000 held + the 4000-token prior) / (10000 expected + the prior), decayed one clock tick; published.
-    assert a.retention == pytest.approx(12_000 / 14_000, rel=1e-3)
+    # (5000 held + the 4000-token prior) / (10000 expected + the prior), decayed one clock tick; published.
+    assert a.retention == pytest.approx(9000 / 14_000, rel=1e-3)
     assert proxy.registry.candidates("m", {}, None, 0.0)[0].retention == a.retention

@@ -88,6 +88,10 @@ def test_retention_is_held_over_expected_with_a_full_prior_and_decays_back() -> 
     assert est.retention["a"] == pytest.approx(4000 / 7000)
     est.sample("b", expected=1000, held=5000, now=0.0)  # more than expected counts as all of it
     assert est.retention["b"] == 1.0
+    est.sample("b", expected=1000, held=800, now=0.0)  # within the estimate's noise: all of it too
+    assert est.retention["b"] == 1.0
+    est.sample("d", expected=1000, held=790, now=0.0)  # below: evidence of eviction
+    assert est.retention["d"] == pytest.approx((790 + 1000) / 2000)
     est.sample("c", expected=0.5, held=0, now=0.0)  # nothing was expected: no evidence
     assert "c" not in est.retention
     est.refresh(now=10.0)  # one half-life: the evidence weighs half
