@@ -13,9 +13,10 @@
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
 - ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
-  about one turn's tokens soon; counting them spreads new conversations before the queue shows it. Where
-  the backend evicts (``retention`` < 1), each of those turns also re-reads the share of its history it
-  lost (this request's prompt stands for a typical history): new conversations go where there is room.
+  about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
+  (Retention is deliberately not in the load term: charging each active conversation of an evicting engine
+  the history it lost sent new conversations to the large-cache engines until those queued: measured worse
+  than without, see the routing notes.)
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -54,21 +55,13 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
     return max(c.prefilling, reported)
 
 
-def turn_load_tokens(c: Candidate, request: RouteRequest) -> float:
-    """Tokens one active conversation there is expected to prefill on its next turn."""
-    turn = request.turn_tokens
-    if c.retention >= 1.0:
-        return turn
-    return turn + (1.0 - c.retention) * request.prompt_tokens
-
-
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     """``cost(...).total_s`` without building the ``Cost`` (same arithmetic, same float): the hot path's."""
     r = rate(c)
     return (
         queued_tokens(c, request.turn_tokens) / r
         + uncached_tokens(c, request) / r
-        + (c.conversations + c.in_flight) * turn_load_tokens(c, request) * load_share / r
+        + (c.conversations + c.in_flight) * request.turn_tokens * load_share / r
     )
 
 
@@ -77,5 +70,5 @@ def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
     uncached = uncached_tokens(c, request)
     queue_s = queued_tokens(c, request.turn_tokens) / r
     prefill_s = uncached / r
-    load_s = (c.conversations + c.in_flight) * turn_load_tokens(c, request) * load_share / r
+    load_s = (c.conversations + c.in_flight) * request.turn_tokens * load_share / r
     return Cost(c.id, uncached, queue_s, prefill_s, load_s, queue_s + prefill_s + load_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.cost import cached_tokens, cost, total_s, turn_load_tokens
+from routing.cost import cached_tokens, cost, total_s
 from routing.params import RoutingParams
 from routing.policies.ttft import TtftPolicy
 from routing.retention import RetentionEstimator
@@ -34,12 +34,10 @@ def test_retention_scales_what_a_pin_and_a_head_holder_are_inferred_to_hold() ->
     assert cached_tokens(cand("c", retention=0.5), r) == 0
 
 
-def test_an_evicting_engines_active_conversations_weigh_their_lost_history_too() -> None:
+def test_retention_is_not_in_the_load_term() -> None:
     r = req(turn_tokens=600)
-    assert turn_load_tokens(cand("a"), r) == 600
-    assert turn_load_tokens(cand("a", retention=0.5), r) == pytest.approx(600 + 0.5 * 3000)
     c = cand("a", active=2, retention=0.5)
-    assert cost(c, r, 2.0).load_s == pytest.approx(2 * 2100 * 2.0 / 1000)
+    assert cost(c, r, 2.0).load_s == pytest.approx(2 * 600 * 2.0 / 1000)
     assert total_s(c, r, 2.0) == cost(c, r, 2.0).total_s
 
 
@@ -66,12 +64,16 @@ def test_a_pin_whose_engine_evicted_the_prefix_is_cold_and_the_turn_goes_where_i
     assert d.reason in (Reason.SPILL_OVERLOAD, Reason.MOVE_CHEAPER)
 
 
-def test_new_conversations_go_to_the_engine_with_room() -> None:
-    # Same speed, same active count: the one that evicts what it is sent is dearer for a new conversation.
-    tight, roomy = cand("tight", active=3, retention=0.3), cand("roomy", active=3)
-    for key in ("k1", "k2", "k3", "k4"):
-        d = POLICY.select([tight, roomy], req(key=key, turn_tokens=600), 0.0)
-        assert (d.backend, d.reason, d.pin) == ("roomy", Reason.NEW_CHEAPEST, PinAction.CLAIM)
+def test_a_twin_goes_past_a_head_holder_that_evicts() -> None:
+    # Both hold the head; the one that keeps what it is sent is cheaper for the twin.
+    r = req(key="k", holders=frozenset({"tight", "roomy"}))
+    d = POLICY.select([cand("tight", retention=0.3), cand("roomy")], r, 0.0)
+    assert (d.backend, d.reason, d.pin, d.uncached_tokens) == (
+        "roomy",
+        Reason.NEW_CHEAPEST,
+        PinAction.CLAIM,
+        1000,
+    )
 
 
 def test_a_follow_up_at_an_evicting_home_stays_when_elsewhere_is_no_cheaper() -> None:
