@@ -29,6 +29,7 @@ class Backend:
     #: Estimated uncached prompt tokens of requests here that have had no first byte yet (the ttft policy).
     prefilling: int = 0
     prefill_tps: float = 0.0  # learned (gateway.learning); 0: unknown
+    retention: float = 1.0  # learned share of expected cached prefix the engine held (gateway.learning)
     signals: EngineSignals | None = None  # the last scrape of its /metrics (backends.engine_metrics)
 
     @property
@@ -172,7 +173,7 @@ class Registry:
                 waiting = int(s.waiting)
             flying = b.in_flight if in_flight is None else in_flight.get(cfg.id, 0)
             out.append(Candidate(cfg.id, b.routing_state, flying, count(cfg.id, 0), cfg.weight,
-                                 b.prefilling, b.prefill_tps, waiting))  # fmt: skip
+                                 b.prefilling, b.prefill_tps, waiting, b.retention))  # fmt: skip
         return tuple(out)
 
     def lease(self, backend_id: str) -> Lease:

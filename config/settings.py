@@ -538,8 +538,9 @@ class RoutingConfig(_Section):
     """Where each request goes: the policy and its knobs."""
 
     policy: PolicyName = Field(
-        default=PolicyName.AFFINITY,
-        description="affinity (default), ttft (opt-in), least_loaded and round_robin (benchmark baselines)",
+        default=PolicyName.TTFT,
+        description="ttft (default: by expected time to first token), affinity (pins and in-flight counts "
+        "only), least_loaded and round_robin (benchmark baselines)",
     )
     session_header: str = Field(
         default="x-session-id",

@@ -10,7 +10,10 @@
   idle for longer do not count at all);
 - after sending (``sent``): the request's uncached tokens queue on its backend until the first byte;
 - in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
-  typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens.
+  typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens, and
+  each backend's cache retention (``routing.retention``: what a follow-up sent home found cached there).
+  Rates and retention reach the backends (the candidates' snapshot) when the speeds are recomputed, at most
+  every ``_REFRESH_S``: per request that recomputation was the largest share of this module's CPU.
 
 With engines that publish KV cache events (``kv``, a ``routing.kvindex.KvIndex`` fed by
 ``backends.kv_events``), ``request`` also says what each of them still holds of this conversation
@@ -37,6 +40,7 @@ from routing.keys import first_reply, reply_key
 from routing.kvindex import KvIndex
 from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
 from routing.policies import Policy
+from routing.retention import RetentionEstimator
 from routing.settle import settle_pin
 from routing.shape import chat_shape
 from routing.speed import Ewma, SpeedEstimator
@@ -48,6 +52,8 @@ _REPLIES_TTL_S = 3600.0
 _MAX_ENTRIES = 200_000
 #: A holder whose reported cached tokens fall below this share of the head has lost it.
 _HELD_SHARE = 0.5
+#: Learned rates and retention are recomputed and published at most this often (seconds).
+_REFRESH_S = 0.25
 
 
 class RoutingFeedback:
@@ -64,11 +70,11 @@ class RoutingFeedback:
         self.kv = kv
         self.kv_metrics = kv_metrics
         weights = {b.id: b.cfg.weight for b in registry.backends.values()}
-        self.speeds = SpeedEstimator(weights, params.speed_half_life_s)
+        self.speeds = SpeedEstimator(weights, params.speed_half_life_s, refresh_s=_REFRESH_S)
+        self.retention = RetentionEstimator(params.speed_half_life_s)
         self.active = AffinityTable(params.active_window_s, _MAX_ENTRIES)  # key -> backend, recent only
         self.replies = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # extended key -> first reply's backend
-        self.heads = AffinityTable(_REPLIES_TTL_S, _MAX_ENTRIES)  # head key -> backend of its latest turn 1
-        self.holders = HeadHolders(_MAX_ENTRIES)
+        self.holders = HeadHolders(_MAX_ENTRIES)  # head key -> its holders and its latest turn 1's backend
         self.chars_per_token = Ewma(DEFAULT_CHARS_PER_TOKEN)
         self.turn_tokens = Ewma(DEFAULT_TURN_TOKENS)
         self._publish_rates()
@@ -91,7 +97,10 @@ class RoutingFeedback:
         turns = ctx.shape.turns  # a shape whose head is not only ``messages`` (Anthropic's ``system``)
         shape = chat_shape(messages) if turns is None or ctx.body is None else turns(ctx.body)
         info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
-        if shape.turn > 1 and ctx.identity is None:  # a named session is its own conversation already
+        # A session id names the conversation itself: its pin is its own from the first request on (agent
+        # sessions of one identical head are separate conversations), and no reply tells it apart.
+        info.own_key = ctx.identity is not None
+        if shape.turn > 1 and not info.own_key:
             reply = first_reply(messages)
             if reply is not None:
                 ctx.route_key = reply_key(ctx.key, reply)
@@ -105,7 +114,7 @@ class RoutingFeedback:
         cpt = self.chars_per_token.value
         holders = self.holders.get(info.head_key)
         hint = None
-        if info.first_turn:
+        if info.twin_head:
             # The head's pin only says who prefilled the head (a twin, or this conversation's turn 1).
             if pinned is not None:
                 holders = holders | {pinned}
@@ -113,8 +122,8 @@ class RoutingFeedback:
         elif pinned is None:
             # The backend that produced this first reply; else (a client that does not resend replies as
             # they were, an unobserved reply) the one that served this head's latest first turn here.
-            now = self.clock()
-            hint = self.replies.get(ctx.affinity_key, now) or self.heads.get(info.head_key, now)
+            hint = self.replies.get(ctx.affinity_key, self.clock()) or self.holders.latest(info.head_key)
+        info.home = None if info.twin_head else pinned or hint
         return RouteRequest(
             ctx.affinity_key,
             pinned,
@@ -170,7 +179,7 @@ class RoutingFeedback:
     def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
         """The pin ``decision`` may write (``routing.settle``): a first turn never claims its twin's head."""
         info = ctx.route
-        return decision if info is None else settle_pin(decision, first_turn=info.first_turn, pinned=pinned)
+        return decision if info is None else settle_pin(decision, first_turn=info.twin_head, pinned=pinned)
 
     # -- after sending --------------------------------------------------------------------------------
 
@@ -188,11 +197,8 @@ class RoutingFeedback:
             if estimate is None:
                 estimate = self.kv.held(info.head_key, backend)
             info.kv_estimate = -1 if estimate is None else estimate
-        now = self.clock()
         self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
-        self.holders.add(info.head_key, backend)
-        if info.first_turn:
-            self.heads.move(info.head_key, backend, now)
+        self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------
 
@@ -201,6 +207,7 @@ class RoutingFeedback:
         if info is None or obs.outcome is not RequestOutcome.OK:
             return
         now = self.clock()
+        added = None
         if obs.backend not in self.speeds.weights:  # added at runtime (the admin API): its prior first
             added = self.registry.backends.get(obs.backend)
             if added is not None:
@@ -212,9 +219,8 @@ class RoutingFeedback:
                 self.chars_per_token.add(info.prompt_chars / usage.prompt_tokens)
             if usage.cached_tokens is not None:
                 uncached = usage.prompt_tokens - usage.cached_tokens
-                head = info.head_chars / self.chars_per_token.value
-                if usage.cached_tokens < _HELD_SHARE * head and not info.first_turn:
-                    self.holders.drop(info.head_key, obs.backend)
+                if not info.first_turn:
+                    self._held(info, obs.backend, usage.prompt_tokens, usage.cached_tokens, now)
             self._kv_learn(obs, info, usage)
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
@@ -226,13 +232,14 @@ class RoutingFeedback:
         next_key = obs.key
         if not info.first_turn:
             self.turn_tokens.add(uncached)
-        elif obs.reply is not None:
+        elif obs.reply is not None and not info.own_key:
             next_key = reply_key(info.head_key, obs.reply)
             self.replies.move(next_key, obs.backend, now)
         # Active until its next turn (or the window's end): keyed as that turn will be, so each of several
         # twins sharing one head counts once.
         self.active.move(next_key, obs.backend, now)
-        self._publish_rates()
+        if self.speeds.refresh(now) or added is not None:
+            self._publish_rates(now)
 
     def _kv_learn(self, obs: Observation, info: RouteInfo, usage: Usage) -> None:
         """Tie the finished turn to the block ending its prompt on its engine, under the key its next turn
@@ -248,7 +255,18 @@ class RoutingFeedback:
         keys = (next_key, obs.key, info.head_key) if info.first_turn else (obs.key,)
         self.kv.record(tuple(dict.fromkeys(keys)), obs.backend, info.kv_mark, usage.prompt_tokens)
 
-    def _publish_rates(self) -> None:
-        rates = self.speeds.prefill_tps
+    def _held(self, info: RouteInfo, backend: str, prompt: int, cached: int, now: float) -> None:
+        """A follow-up's reported cached tokens: the head still held there, the home's retention."""
+        cpt = self.chars_per_token.value
+        if cached < _HELD_SHARE * info.head_chars / cpt:
+            self.holders.drop(info.head_key, backend)
+        if backend == info.home:
+            self.retention.sample(backend, prompt - info.tail_chars / cpt, cached, now)
+
+    def _publish_rates(self, now: float | None = None) -> None:
+        if now is not None:
+            self.retention.refresh(now)
+        rates, kept = self.speeds.prefill_tps, self.retention.retention
         for b in self.registry.backends.values():
             b.prefill_tps = rates.get(b.id, 0.0)
+            b.retention = kept.get(b.id, 1.0)

@@ -48,6 +48,13 @@ class RouteInfo:
     queued_tokens: int = 0  # prefill estimated ahead of it there when it was sent
     kv_mark: int = -1  # its engine's KV event mark when it was sent (-1: the engine publishes no events)
     kv_estimate: int = -1  # cached tokens the KV index said that engine held (-1: it had no answer)
+    home: str | None = None  # a follow-up's pinned backend or twin hint: where its history should be cached
+    own_key: bool = False  # keyed by a session id: the key names this conversation alone, never a twin's head
+
+    @property
+    def twin_head(self) -> bool:
+        """A first turn keyed by its head: a pin under that key is whoever prefilled the head first."""
+        return self.first_turn and not self.own_key
 
 
 @dataclass(frozen=True, slots=True)

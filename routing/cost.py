@@ -5,15 +5,19 @@
 - ``rate``: the backend's prefill rate (learned by the gateway, ``routing.speed``; before that the weight
   times ``DEFAULT_PREFILL_TPS``).
 - ``uncached``: prompt tokens it does not hold. An engine whose KV cache events say what it holds of this
-  conversation (``request.kv_held``) is taken at its word, so a pin it evicted is cold and the engine that
-  still holds the longest prefix is the cheapest to prefill on. Otherwise the pinned backend (or the one
-  that produced this conversation's first reply) holds all but the tail appended since the last reply; a
-  backend that recently prefilled the same head holds the head; any other holds nothing the gateway knows
-  of.
+  conversation (``request.kv_held``; or ``request.engine_cached``, a per-backend map of the same) is taken at
+  its word, so a pin it evicted is cold and the engine that still holds the longest prefix is the cheapest to
+  prefill on. Otherwise it is inferred: the pinned backend (or the one that produced this conversation's
+  first reply) holds all but the tail appended since the last reply; a backend that recently prefilled the
+  same head holds the head; any other holds nothing the gateway knows of. An inferred hold is scaled by the
+  backend's ``retention``: an engine under cache pressure keeps only part of what it was sent.
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
 - ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
   about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
+  (Retention is deliberately not in the load term: charging each active conversation of an evicting engine
+  the history it lost sent new conversations to the large-cache engines until those queued: measured worse
+  than without, see the routing notes.)
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -33,11 +37,18 @@ def cached_tokens(c: Candidate, request: RouteRequest) -> int:
         for backend, held in request.kv_held:
             if backend == c.id:
                 return min(held, request.prompt_tokens)
+    reported = request.engine_cached
+    if reported is not None:
+        said = reported.get(c.id)
+        if said is not None:
+            return min(max(0, said), request.prompt_tokens)
     if c.id == request.pinned or c.id == request.hint:
-        return max(0, request.prompt_tokens - request.tail_tokens)
-    if c.id in request.holders:
-        return min(request.head_tokens, request.prompt_tokens)
-    return 0
+        held = max(0, request.prompt_tokens - request.tail_tokens)
+    elif c.id in request.holders:
+        held = min(request.head_tokens, request.prompt_tokens)
+    else:
+        return 0
+    return held if c.retention >= 1.0 else int(held * c.retention)
 
 
 def lost_history(c: Candidate, request: RouteRequest) -> bool:
@@ -61,19 +72,17 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     """``cost(...).total_s`` without building the ``Cost`` (same arithmetic, same float): the hot path's."""
     r = rate(c)
-    turn = request.turn_tokens
     return (
-        queued_tokens(c, turn) / r
+        queued_tokens(c, request.turn_tokens) / r
         + uncached_tokens(c, request) / r
-        + (c.conversations + c.in_flight) * turn * load_share / r
+        + (c.conversations + c.in_flight) * request.turn_tokens * load_share / r
     )
 
 
 def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
     r = rate(c)
-    turn = request.turn_tokens
     uncached = uncached_tokens(c, request)
-    queue_s = queued_tokens(c, turn) / r
+    queue_s = queued_tokens(c, request.turn_tokens) / r
     prefill_s = uncached / r
-    load_s = (c.conversations + c.in_flight) * turn * load_share / r
+    load_s = (c.conversations + c.in_flight) * request.turn_tokens * load_share / r
     return Cost(c.id, uncached, queue_s, prefill_s, load_s, queue_s + prefill_s + load_s)

@@ -4,10 +4,17 @@ Identical heads (same system prompt and first user message: best-of-N, parallel 
 conversations under one key; every backend that served one of them holds the head in its prefix cache, so
 another twin reads only the rest there. Bounded: past ``max_entries`` the least recently recorded key goes
 (engines evict too). A backend whose reported cached tokens show it lost the head is dropped from it.
-Values are ints, so the dict is not tracked by the garbage collector. Pure, no clock: recency is order.
+
+Each value also names the backend that served the head's latest *first* turn (``latest``): the fallback twin
+hint for a follow-up whose first reply the gateway did not see. One int per key (the mask shifted left by
+``_LATEST_BITS``, then 1 + that backend's index, 0 for none), so the dict is not tracked by the garbage
+collector and one dict operation records both. Pure, no clock: recency is order.
 """
 
 from __future__ import annotations
+
+_LATEST_BITS = 10
+_LATEST = (1 << _LATEST_BITS) - 1  # backends past index 1022 are held, never named latest
 
 
 class HeadHolders:
@@ -24,30 +31,38 @@ class HeadHolders:
     def __len__(self) -> int:
         return len(self._masks)
 
-    def add(self, key: str, backend: str) -> None:
-        bit = 1 << self._bit(backend)
+    def add(self, key: str, backend: str, first_turn: bool = False) -> None:
+        """``backend`` prefilled the head ``key`` (on a first turn: it is also the latest such one)."""
+        index = self._bit(backend)
         masks = self._masks
-        mask = masks.pop(key, 0)  # re-inserted last: the most recent
-        masks[key] = mask | bit
+        value = masks.pop(key, 0)  # re-inserted last: the most recent
+        latest = index + 1 if first_turn and index < _LATEST else value & _LATEST
+        masks[key] = ((value >> _LATEST_BITS) | 1 << index) << _LATEST_BITS | latest
         if len(masks) > self.max_entries:
             del masks[next(iter(masks))]
 
     def drop(self, key: str, backend: str) -> None:
         index = self._index.get(backend)
-        mask = self._masks.get(key)
-        if index is None or mask is None:
+        value = self._masks.get(key)
+        if index is None or value is None:
             return
-        mask &= ~(1 << index)
+        mask = (value >> _LATEST_BITS) & ~(1 << index)
+        latest = value & _LATEST
         if mask:
-            self._masks[key] = mask
+            self._masks[key] = mask << _LATEST_BITS | (0 if latest == index + 1 else latest)
         else:
             del self._masks[key]
 
     def get(self, key: str) -> frozenset[str]:
-        mask = self._masks.get(key, 0)
+        mask = self._masks.get(key, 0) >> _LATEST_BITS
         if not mask:
             return frozenset()
         return frozenset(name for i, name in enumerate(self._names) if mask >> i & 1)
+
+    def latest(self, key: str) -> str | None:
+        """The backend that served the latest first turn of head ``key`` (and still holds it), or None."""
+        latest = self._masks.get(key, 0) & _LATEST
+        return self._names[latest - 1] if latest else None
 
     def _bit(self, backend: str) -> int:
         index = self._index.get(backend)

@@ -8,7 +8,11 @@ fleet's reference rate per unit of weight) keeps a backend with few samples near
 
 Prefill samples are the uncached prompt tokens plus the tokens queued ahead of the request, over its time
 to first token: the same quantity the cost model divides by the rate (``routing.cost``). Pure: ``now`` is
-passed in; rates are recomputed on every sample, so reading one is a dict lookup.
+passed in; reading a rate is a dict lookup. With ``refresh_s`` = 0 rates are recomputed on every sample.
+Otherwise samples are only summed, and ``refresh(now)`` recomputes them at most once per ``refresh_s``:
+with a half-life of seconds, the samples of a fraction of a second move no rate that a decision could tell
+apart, and recomputing every backend's rate per request was the largest item of the ttft policy's CPU per
+request. ``refresh`` says whether it did, so a reader copies the rates only when they changed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ _MIN_SECONDS = 1e-3
 
 
 @dataclass(slots=True)
-class _Sums:
+class DecayedSums:
+    """Two sums that halve every ``half_life_s`` (``at``: when they were last brought up to date)."""
+
     tokens: float = 0.0
     seconds: float = 0.0
     at: float = 0.0
@@ -41,15 +47,22 @@ class _Sums:
 
 class SpeedEstimator:
     def __init__(
-        self, weights: Mapping[str, float], half_life_s: float = 15.0, prior_tokens: float = 2000.0
+        self,
+        weights: Mapping[str, float],
+        half_life_s: float = 15.0,
+        prior_tokens: float = 2000.0,
+        refresh_s: float = 0.0,
     ) -> None:
-        if half_life_s <= 0 or prior_tokens <= 0:
-            raise ValueError("half_life_s and prior_tokens must be > 0")
+        if half_life_s <= 0 or prior_tokens <= 0 or refresh_s < 0:
+            raise ValueError("half_life_s and prior_tokens must be > 0, refresh_s >= 0")
         self.half_life_s = half_life_s
         self.prior_tokens = prior_tokens
+        self.refresh_s = refresh_s
+        self._computed_at = -math.inf
+        self._dirty = False  # samples came since the last recomputation
         self.weights = dict(weights)
-        self._prefill: dict[str, _Sums] = {}
-        self._decode: dict[str, _Sums] = {}
+        self._prefill: dict[str, DecayedSums] = {}
+        self._decode: dict[str, DecayedSums] = {}
         self.prefill_tps: dict[str, float] = {}  # backend -> current estimate (read on the hot path)
         self.decode_tps: dict[str, float] = {}
         self._recompute()
@@ -61,15 +74,29 @@ class SpeedEstimator:
 
     def prefill(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
-            self._prefill.setdefault(backend, _Sums()).add(tokens, seconds, now, self.half_life_s)
-            self._recompute()
+            self._prefill.setdefault(backend, DecayedSums()).add(tokens, seconds, now, self.half_life_s)
+            self._maybe_recompute(now)
 
     def decode(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
-            self._decode.setdefault(backend, _Sums()).add(tokens, seconds, now, self.half_life_s)
+            self._decode.setdefault(backend, DecayedSums()).add(tokens, seconds, now, self.half_life_s)
+            self._maybe_recompute(now)
+
+    def refresh(self, now: float) -> bool:
+        """Recompute the rates if samples came since the last time and ``refresh_s`` has passed."""
+        if self._dirty and now - self._computed_at >= self.refresh_s:
+            self._computed_at = now
             self._recompute()
+            return True
+        return False
+
+    def _maybe_recompute(self, now: float) -> None:
+        self._dirty = True
+        if not self.refresh_s:
+            self.refresh(now)
 
     def _recompute(self) -> None:
+        self._dirty = False
         for sums, out, default in ((self._prefill, self.prefill_tps, DEFAULT_PREFILL_TPS),
                                    (self._decode, self.decode_tps, DEFAULT_DECODE_TPS)):  # fmt: skip
             reference = self._reference(sums, default)
@@ -79,7 +106,7 @@ class SpeedEstimator:
                 tokens, seconds = (s.tokens, s.seconds) if s is not None else (0.0, 0.0)
                 out[backend] = (tokens + self.prior_tokens) / (seconds + self.prior_tokens / prior_rate)
 
-    def _reference(self, sums: Mapping[str, _Sums], default: float) -> float:
+    def _reference(self, sums: Mapping[str, DecayedSums], default: float) -> float:
         """Rate per unit of weight over what was measured (the default before any sample)."""
         tokens = sum(s.tokens for b, s in sums.items() if b in self.weights)
         weighted_seconds = sum(s.seconds * self.weights[b] for b, s in sums.items() if b in self.weights)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -65,6 +65,9 @@ class Candidate(NamedTuple):
     prefill_tps: float = 0.0
     #: Requests the engine reports waiting in its queue (its ``/metrics``); -1: unknown or stale.
     waiting: int = -1
+    #: Share of the prefix the gateway expected it to hold that it did hold lately (learned from reported
+    #: cached tokens; 1: no sign of eviction). Below 1 its cache is under pressure: it evicts conversations.
+    retention: float = 1.0
 
     @property
     def routable(self) -> bool:
@@ -99,6 +102,9 @@ class RouteRequest:
     kv_held: tuple[tuple[str, int], ...] = ()
     #: Fill ``Decision.costs`` (the admin "why" dry run); the hot path leaves it off.
     explain: bool = False
+    #: Per backend, the prompt tokens its engine reports holding for this prompt (an index of its KV cache
+    #: events); a backend listed here is taken at its word, the others are inferred. None: no such index.
+    engine_cached: Mapping[str, int] | None = None
 
 
 class Cost(NamedTuple):

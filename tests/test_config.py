@@ -23,7 +23,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_example_config_loads() -> None:
     s = load_settings(ROOT / "config" / "example.yaml")
     assert [b.id for b in s.backends] == ["gpu-a", "gpu-b"]
-    assert s.routing.policy is PolicyName.AFFINITY
+    assert s.routing.policy is PolicyName.TTFT
+    assert load_settings(None).routing.policy is PolicyName.TTFT  # the default
 
 
 def _models(annotation: Any) -> list[type[BaseModel]]:

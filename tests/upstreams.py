@@ -87,6 +87,9 @@ class FakeEngine:
     gate: threading.Event | None = None  # if set, the stream waits on it after the first chunk
     canary_answer: str | None = None  # what it answers the gateway's canary (None: a passing answer)
     canaries: int = 0  # canary requests answered (kept out of every other counter and fault)
+    scrapes: int = (
+        0  # GET /metrics answered (the default routing policy scrapes engines; kept out of the rest)
+    )
     extra_headers: dict[str, str] = field(default_factory=dict)  # added to every generation response
     requests: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)  # the exact body bytes of every request it received
@@ -100,6 +103,7 @@ class FakeEngine:
         return Starlette(
             routes=[
                 Route("/health", self._health),
+                Route("/metrics", self._metrics),
                 Route("/v1/models", self._models),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._chat, methods=["POST"]),
@@ -118,6 +122,10 @@ class FakeEngine:
         self.raw.append(raw)
         echo = {"target": target, "method": request.method, "body": raw.decode(), "served_by": self.name}
         return JSONResponse(echo, headers=self.extra_headers)
+
+    async def _metrics(self, _request: Request) -> Response:
+        self.scrapes += 1
+        return Response(b"", media_type="text/plain; version=0.0.4")
 
     async def _health(self, _request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)

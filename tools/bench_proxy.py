@@ -3,14 +3,15 @@
     python -m tools.bench_proxy [--paths hit,new] [--seconds 5] [--rounds 3] [--concurrency 32] [--json F]
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
-completion), the gateway (one uvicorn worker, affinity policy, in-memory state) and the load generator (wrk
-when installed, else a Python client at 1 connection only, which is slower and makes the numbers
-pessimistic). Every request body has the same size (a ~300-byte system prompt and a ~200-byte first user
-message, built per request by a wrk Lua script); the paths differ in what makes the conversation:
+completion), the gateway (one uvicorn worker, ``--policy``: ttft by default, in-memory state) and the load
+generator (wrk when installed, else a Python client at 1 connection only, which is slower and makes the
+numbers pessimistic). Every request body has the same size (a ~300-byte system prompt and a ~200-byte first
+user message, built per request by a wrk Lua script); the paths differ in what makes the conversation:
 
 - ``hit``: one conversation, every request an affinity hit (only the OpenAI ``user`` field varies);
 - ``new``: every request a new conversation: a distinct first user message, no session header, so the
-  gateway hashes the head (``chat_key``) and claims a pin: what every real conversation's first turn costs;
+  gateway hashes the head (``chat_key``) and claims a pin: what every real conversation's placement costs;
+  (every body is a second turn, ``TURN_TWO``, so the two paths have one template and one size);
 - ``new-session``: the hit body with a distinct ``x-session-id`` per request (``session_key``, no hashing).
 
 Per path: added latency at 1 connection (p50/p99 through the gateway minus direct, round by round) and
@@ -44,7 +45,7 @@ from typing import Any
 import httpx
 
 from tools.bench_memory import GcPauses, conversation_body, rss_bytes
-from tools.bench_proxy_report import PathResult, Run, medians, path_lines, table, targets
+from tools.bench_proxy_report import NEW_REASONS, PathResult, Run, medians, path_lines, table, targets
 from tools.bench_report import percentile
 from tools.procs import child, free_port, python, wait_http
 
@@ -107,8 +108,15 @@ end
 """
 
 
+#: Every body is a conversation's second turn (a reply, then the next user message): under the ttft policy
+#: an identical first turn sent again is a twin of an identical head, a new conversation, not a hit.
+TURN_TWO = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+
+
 def template() -> str:
-    text = json.dumps(conversation_body(KEY_SLOT, USER_SLOT))
+    body = conversation_body(KEY_SLOT, USER_SLOT)
+    body["messages"] = [*body["messages"], *TURN_TWO]
+    text = json.dumps(body)
     assert text.index(KEY_SLOT) < text.index(USER_SLOT), "the Lua script fills the key slot first"
     return text
 
@@ -298,7 +306,7 @@ class Bench:
             (result.sequential if n == 1 else result.concurrent).update(runs)
         after = self.gateway.decisions()
         result.decisions = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
-        result.claims_so_far = after.get("new_least_loaded", 0.0)
+        result.claims_so_far = sum(after.get(reason, 0.0) for reason in NEW_REASONS)
         result.rss_after_bytes, result.entries_after = self.gateway.rss_bytes(), self.gateway.entries()
         return result
 
@@ -342,7 +350,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--policy", default="affinity", help="the gateway's routing policy (affinity, ttft, ...)")
+    ap.add_argument("--policy", default="ttft", help="the gateway's routing policy (ttft, affinity, ...)")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
     args = ap.parse_args(argv)
@@ -361,7 +369,7 @@ def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
     return python("-c", _PROBED, str(gc_file), *serve)
 
 
-def _gateway_config(gw_port: int, up_port: int, policy: str = "affinity") -> dict[str, Any]:
+def _gateway_config(gw_port: int, up_port: int, policy: str = "ttft") -> dict[str, Any]:
     return {
         "server": {"port": gw_port, "log_level": "warning"},
         "backends": [{"id": "up", "url": f"http://127.0.0.1:{up_port}", "models": ["bench"]}],

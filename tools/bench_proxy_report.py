@@ -45,6 +45,10 @@ class Run:
         return sum(g["total_ms"] for g in self.gc.values()) / self.seconds if self.gc else None
 
 
+#: A new conversation's reason under each policy that pins (ttft, affinity).
+NEW_REASONS = ("new_cheapest", "new_least_loaded")
+
+
 @dataclass
 class PathResult:
     path: str
@@ -53,14 +57,14 @@ class PathResult:
     decisions: dict[str, float] = field(default_factory=dict)  # the gateway's, during this path's runs
     rss_after_bytes: int = 0
     entries_after: int | None = None  # /readyz shared_state.entries, when it shows them
-    claims_so_far: float = 0.0  # new_least_loaded decisions since the gateway started
+    claims_so_far: float = 0.0  # new-conversation decisions since the gateway started
 
     @property
     def expected_share(self) -> float:
         """Share of this path's routing decisions that had the reason the path is meant to exercise."""
-        want = "affinity_hit" if self.path == "hit" else "new_least_loaded"
+        want = ("affinity_hit",) if self.path == "hit" else NEW_REASONS
         total = sum(self.decisions.values())
-        return self.decisions.get(want, 0.0) / total if total else 0.0
+        return sum(self.decisions.get(w, 0.0) for w in want) / total if total else 0.0
 
     def runs(self) -> list[Run]:
         return [r for by_side in (self.sequential, self.concurrent) for rs in by_side.values() for r in rs]

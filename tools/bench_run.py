@@ -56,6 +56,8 @@ class Plan:
     api_key: str | None
     progress_s: float
     seeded: bool = False  # each conversation sends its own sampling ``seed`` (twins' replies differ)
+    #: Each conversation sends its own session id in this header (agent sessions: one session key each).
+    session_header: str | None = None
 
 
 class Outcome(NamedTuple):
@@ -91,7 +93,10 @@ async def play(
             if plan.seeded:
                 body["seed"] = conv.index
             started = time.monotonic() - t0
-            result = await stream_chat(client, url, body, plan.headers)
+            headers = plan.headers
+            if plan.session_header is not None:
+                headers = {**headers, plan.session_header: f"session-{conv.index}"}
+            result = await stream_chat(client, url, body, headers)
             if fixed_engine is not None:
                 result.backend = fixed_engine
             warm = None if k == 0 or previous is None else result.backend == previous

@@ -5,8 +5,11 @@ variant (a policy, optionally given the engines' true speeds as weights; ``oracl
 straight to engine i mod K) for a few rounds, order rotating, caches reset between runs. Numbers are
 medians over rounds; ratios compare variants of the same round set on the same machine.
 
-- ``identical-2x16`` / ``identical-8x4``: groups of conversations sharing system prompt *and* first user
-  message; each later turn adds ~600 tokens.
+- ``identical-GxN``: G groups of N conversations sharing system prompt *and* first user message (N = 4, 8,
+  16, 32); each later turn adds ~600 tokens, ~3000 in the ``-long`` twins.
+- ``sessions``: 16 agent sessions of one identical head, each with its own session id (its own key).
+- ``pressure``: engines whose caches together hold about half of the active conversations (two small, two
+  large): placement must weigh what each engine can keep.
 - ``fleet``: one shared system prompt, own task; ``distinct``: own system prompts.
 - ``hetero``: engines with prefill/decode speeds 1:1:2:4; no weights vs the true ones.
 - ``join``: the last engine is down at the start and comes back empty a third of the way in.
@@ -41,6 +44,7 @@ from tools.procs import LOCALHOST, free_port
 from tools.workload import WorkloadSpec, build, total_requests
 
 MODEL = "sim-model"
+SESSION_HEADER = "x-session-id"  # the gateway's default session header
 JOIN_WINDOW_S = 60.0  # "the following minute", in unscaled time
 SLOW_WINDOW_S = 30.0
 EVENT_AT_S = float(os.environ.get("WARMROUTE_BENCH_EVENT_AT_S", "8"))  # the join or slow-down (unscaled s)
@@ -56,6 +60,8 @@ class Scenario:
     speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
     event: str | None = None  # "join" | "slow"
     target: str = ""
+    caches: tuple[int, ...] | None = None  # each engine's prefix cache (tokens); None: the profile's
+    sessions: bool = False  # each conversation sends its own session id
 
 
 _BASE = WorkloadSpec(
@@ -69,12 +75,27 @@ _BASE = WorkloadSpec(
     think_ms=300.0,
     system_prompts=1,
 )
+_IDENTICAL = "follow-up TTFT <= 1.05x oracle; 0 cold follow-ups where the oracle has 0"
+_LONG_TURNS = 3000
+
+
+def _identical(group: int, user_tokens: int) -> Scenario:
+    return Scenario(replace(_BASE, group_size=group, user_tokens=user_tokens), target=_IDENTICAL)
+
+
 SCENARIOS: dict[str, Scenario] = {
-    "identical-2x16": Scenario(
-        replace(_BASE, group_size=16),
-        target="follow-up TTFT <= 1.10x oracle; load max/mean <= 1.2; turn-1 p95 <= 1.1x oracle",
+    **{f"identical-{32 // n}x{n}": _identical(n, _BASE.user_tokens) for n in (4, 8, 16, 32)},
+    **{f"identical-{32 // n}x{n}-long": _identical(n, _LONG_TURNS) for n in (4, 8, 16, 32)},
+    "sessions": Scenario(
+        replace(_BASE, conversations=16, group_size=16),
+        sessions=True,
+        target="turn-1 load max/mean <= 1.2 (one head, 16 session ids)",
     ),
-    "identical-8x4": Scenario(replace(_BASE, group_size=4), target="follow-up TTFT <= 1.05x oracle"),
+    "pressure": Scenario(
+        replace(_BASE, system_prompts=32),
+        caches=(3000, 3000, 16000, 16000),
+        target="follow-up TTFT <= 0.9x affinity",
+    ),
     "fleet": Scenario(_BASE, target="<= 1.05x oracle, 0 cold follow-ups"),
     "distinct": Scenario(replace(_BASE, system_prompts=32), target="<= 1.05x oracle, 0 cold follow-ups"),
     "hetero": Scenario(
@@ -104,9 +125,11 @@ SCENARIOS: dict[str, Scenario] = {
 
 def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[Engine]:
     started = []
-    for index, speed in enumerate(sc.speeds, 1):
+    caches = sc.caches or (profile.cache_tokens,) * len(sc.speeds)
+    for index, (speed, cache) in enumerate(zip(sc.speeds, caches, strict=True), 1):
         name, port = f"engine-{index}", free_port()
         p = replace(profile, prefill_tps=profile.prefill_tps * speed, decode_tps=profile.decode_tps * speed)
+        p = replace(p, cache_tokens=cache)
         argv = launch_python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", MODEL)
         argv += [*p.argv(), "--prefill-serial", "--seed", str(index), "--log-level", "warning"]
         started.append(launch._spawn(name, port, argv))
@@ -212,7 +235,8 @@ async def run_variant(
         target = Target((gateway.url,))
     try:
         spec = replace(sc.spec, think_ms=sc.spec.think_ms * time_scale)
-        plan = Plan(spec, tuple(engines), MODEL, 16, {}, {}, None, 3600.0, seeded=True)
+        session = SESSION_HEADER if sc.sessions else None
+        plan = Plan(spec, tuple(engines), MODEL, 16, {}, {}, None, 3600.0, True, session)
         conversations = build(spec)
         if sc.event == "join" and gateway is not None:
             await _faults(client, engines[-1], health_fail=True)
@@ -275,6 +299,8 @@ def summarize(
     follow = [r.result.ttft_s for r in ok if r.turn > 1 and r.result.ttft_s is not None]
     per_engine = Counter(r.result.backend for r in ok)
     counts = [per_engine.get(e.id, 0) for e in engines]
+    firsts = Counter(r.result.backend for r in ok if r.turn == 1)
+    first_counts = [firsts.get(e.id, 0) for e in engines]
     out: dict[str, Any] = {
         "requests": len(records),
         "errors": len(records) - len(ok),
@@ -283,6 +309,9 @@ def summarize(
         "followup_ttft_mean_ms": 1000 * statistics.fmean(follow) if follow else None,
         "turn1_p95_ms": 1000 * first[max(0, round(0.95 * len(first)) - 1)] if first else None,
         "load_max_mean": max(counts) / statistics.fmean(counts) if any(counts) else None,
+        "turn1_load_max_mean": max(first_counts) / statistics.fmean(first_counts)
+        if any(first_counts)
+        else None,
         "split": counts,
         "cold_followups": sum(1 for r in ok if r.warm is False),
         # prefill work the engines did (usage: prompt - cached), thousands of tokens
@@ -292,6 +321,10 @@ def summarize(
     if event_at is not None:
         out.update(_event_shares(ok, engines, sc, event_at, time_scale))
     return out
+
+
+def _max_mean(counts: Sequence[int]) -> float | None:
+    return max(counts) / statistics.fmean(counts) if any(counts) else None
 
 
 def _event_shares(
@@ -358,6 +391,7 @@ def _brief(result: dict[str, Any]) -> str:
         "followup_ttft_mean_ms",
         "turn1_p95_ms",
         "load_max_mean",
+        "turn1_load_max_mean",
         "cold_followups",
         "uncached_ktok",
         "joined_vs_fair",

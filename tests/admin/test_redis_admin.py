@@ -15,7 +15,11 @@ from clusters import ClusterFactory
 def test_pins_counts_and_removal_in_redis(
     cluster: ClusterFactory, redis_server: RedisServer, redis_prefix: str
 ) -> None:
-    c = cluster(["a", "b"], redis={"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0})
+    c = cluster(
+        ["a", "b"],
+        redis={"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0},
+        routing={"policy": "affinity"},
+    )
     r = redis_server.client()
     served = chat(c.url, "conv-r").headers["x-warmroute-backend"]
     key = chat_key(chat_body("conv-r"))

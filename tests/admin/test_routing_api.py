@@ -19,7 +19,7 @@ def explain(url: str, body: dict[str, Any]) -> httpx.Response:
 
 
 def test_explain_computes_the_endpoints_key_and_commits_nothing(cluster: ClusterFactory) -> None:
-    c = cluster(["a", "b"])
+    c = cluster(["a", "b"], routing={"policy": "affinity"})
     sample = chat_body("conv-x")
     decisions_before = metric_lines(c.url, "warmroute_routing_decisions_total")
     r = explain(c.url, {"body": sample})
@@ -69,7 +69,7 @@ def test_explain_under_the_ttft_policy_lists_each_candidates_cost_and_commits_no
 
 
 def test_explain_uses_the_session_header_and_the_completions_key(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
+    c = cluster(["a"], routing={"policy": "affinity"})
     r = explain(c.url, {"body": chat_body("q"), "headers": {"X-Session-Id": "s-1"}})
     assert r.json()["key"] == session_key("m", "s-1")
     r = explain(c.url, {"path": "/v1/completions", "body": {"model": "m", "prompt": "once upon"}})
@@ -96,7 +96,7 @@ def test_explain_refuses_what_the_endpoint_refuses(cluster: ClusterFactory) -> N
 
 
 def test_pin_lookup_and_forget(cluster: ClusterFactory) -> None:
-    c = cluster(["a", "b"])
+    c = cluster(["a", "b"], routing={"policy": "affinity"})
     served = chat(c.url, "conv-p").headers["x-warmroute-backend"]
     key = chat_key(chat_body("conv-p"))
     r = httpx.get(f"{c.url}/admin/pins/{key}")
@@ -113,7 +113,7 @@ def test_pin_lookup_and_forget(cluster: ClusterFactory) -> None:
 
 
 def test_affinity_statistics(cluster: ClusterFactory) -> None:
-    c = cluster(["a", "b"])
+    c = cluster(["a", "b"], routing={"policy": "affinity"})
     for turn in range(3):
         chat(c.url, "conv-s", turn=turn)
     chat(c.url, "conv-t")
@@ -148,6 +148,6 @@ def test_openapi_document_lists_every_admin_route(cluster: ClusterFactory) -> No
 
 
 def test_explain_lists_every_routing_signal_beside_the_core_fields() -> None:
-    view = _candidate(Candidate("a", BackendState.READY, 1, 3, 2.0, 800, 4000.0, 2))
+    view = _candidate(Candidate("a", BackendState.READY, 1, 3, 2.0, 800, 4000.0, 2, 0.75))
     assert (view.id, view.in_flight, view.conversations, view.weight, view.load) == ("a", 1, 3, 2.0, 2.0)
-    assert view.signals == {"prefilling": 800, "prefill_tps": 4000.0, "waiting": 2}
+    assert view.signals == {"prefilling": 800, "prefill_tps": 4000.0, "waiting": 2, "retention": 0.75}

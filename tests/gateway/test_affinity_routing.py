@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import httpx
+import pytest
 
 from clusters import ClusterFactory
 
@@ -26,8 +27,12 @@ def post(url: str, messages: list[dict[str, str]], **headers: str) -> httpx.Resp
     return r
 
 
-def test_every_turn_of_a_conversation_lands_on_one_backend(cluster: ClusterFactory) -> None:
-    c = cluster(["a", "b", "c"])
+POLICIES = pytest.mark.parametrize("policy", ["ttft", "affinity"])
+
+
+@POLICIES
+def test_every_turn_of_a_conversation_lands_on_one_backend(cluster: ClusterFactory, policy: str) -> None:
+    c = cluster(["a", "b", "c"], routing={"policy": policy})
     placements: dict[str, set[str]] = {}
     for conv in range(12):
         for msgs in turns(f"task {conv}", 5):
@@ -44,8 +49,11 @@ def test_round_robin_baseline_scatters_turns(cluster: ClusterFactory) -> None:
     assert seen == {"a", "b"}
 
 
-def test_session_header_overrides_the_computed_key(cluster: ClusterFactory) -> None:
-    c = cluster(["a", "b", "c"])
+@POLICIES
+def test_session_header_overrides_the_computed_key(cluster: ClusterFactory, policy: str) -> None:
+    # Every request looks like a first turn (no assistant message): under ttft a session's pin is still its
+    # own, not a twin's head.
+    c = cluster(["a", "b", "c"], routing={"policy": policy})
     backends = {
         post(c.url, [{"role": "user", "content": f"unrelated {i}"}], **{"X-Session-ID": "s-42"}).headers[
             "x-warmroute-backend"
@@ -73,11 +81,12 @@ def test_conversations_on_a_dead_backend_repin_and_stay(cluster: ClusterFactory)
         assert r2.headers["x-warmroute-route"] == "affinity_hit"
 
 
-def test_decisions_are_counted_by_reason_on_metrics(cluster: ClusterFactory) -> None:
-    c = cluster(["a", "b"])
+@pytest.mark.parametrize(("policy", "new"), [("ttft", "new_cheapest"), ("affinity", "new_least_loaded")])
+def test_decisions_are_counted_by_reason_on_metrics(cluster: ClusterFactory, policy: str, new: str) -> None:
+    c = cluster(["a", "b"], routing={"policy": policy})
     for msgs in turns("m", 3):
         post(c.url, msgs)
     text = httpx.get(c.url + "/metrics").text
-    assert 'warmroute_routing_decisions_total{reason="new_least_loaded"} 1.0' in text
+    assert f'warmroute_routing_decisions_total{{reason="{new}"}} 1.0' in text
     assert 'warmroute_routing_decisions_total{reason="affinity_hit"} 2.0' in text
     assert 'warmroute_backend_in_flight{backend="a"} 0.0' in text

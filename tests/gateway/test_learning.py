@@ -199,3 +199,23 @@ def test_a_backend_added_at_runtime_learns_too() -> None:
     del feedback.speeds.weights["b"]  # as if "b" had been added after the feedback was built
     feedback.observe(observation(feedback, backend="b"))
     assert "b" in feedback.speeds.weights and proxy.registry.backends["b"].prefill_tps != DEFAULT_PREFILL_TPS
+
+
+def test_a_follow_up_sent_home_teaches_its_backends_retention_and_others_do_not() -> None:
+    proxy = make_proxy(FakeTransport())
+    clock = iter(range(100, 200))
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: float(next(clock)))
+    away = observation(feedback)  # went to "a", but its home was elsewhere: no evidence about "a"
+    assert away.route is not None
+    away.route.home = "b"
+    feedback.observe(away)
+    a = proxy.registry.backends["a"]
+    assert a.retention == 1.0 and feedback.retention.retention == {}
+    # Expected all 10,000 prompt tokens (no tail) cached at home; 5,000 were.
+    home = observation(feedback, usage=Usage(10_000, 41, 5000))
+    assert home.route is not None
+    home.route.home = "a"
+    feedback.observe(home)
+    # (5000 held + the 4000-token prior) / (10000 expected + the prior), decayed one clock tick; published.
+    assert a.retention == pytest.approx(9000 / 14_000, rel=1e-3)
+    assert proxy.registry.candidates("m", {}, None, 0.0)[0].retention == a.retention

@@ -52,7 +52,7 @@ def test_ok(cluster: ClusterFactory) -> None:
     c.wait_idle()
     assert attempts(c) == {("a", "ok"): 1}
     assert requests(c) == {("a", "ok"): 1}
-    assert decisions(c) == {("new_least_loaded",): 1}
+    assert decisions(c) == {("new_cheapest",): 1}  # the default policy (ttft)
     assert scrape(c)[("warmroute_request_duration_seconds_count", (("backend", "a"),))] == 1
 
 

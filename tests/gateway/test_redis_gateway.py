@@ -70,7 +70,7 @@ def replicas(redis_server: RedisServer, redis_prefix: str) -> Iterator[ReplicasF
                 backends=backends,
                 health=FAST_HEALTH,
                 redis=redis_cfg,
-                routing=routing or {},
+                routing=routing or {"policy": "affinity"},  # pins shared as they are; ttft: its own test
                 admin=admin or {},
             )
             app = create_app(settings, store(settings) if store else None)

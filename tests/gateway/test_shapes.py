@@ -145,10 +145,10 @@ def test_a_new_shape_gets_affinity_and_its_body_goes_as_the_client_sent_it(clust
         assert r.status_code == 200, r.text
         routes.append(r.headers["x-warmroute-route"])
         served.append(r.headers["x-warmroute-backend"])
-    assert routes == ["new_least_loaded", "affinity_hit", "affinity_hit"]
+    assert routes == ["new_cheapest", "affinity_hit", "affinity_hit"]  # the default policy (ttft)
     assert len(set(served)) == 1
     other = httpx.post(c.url + "/v1/toy/talk", json={"model": "m", "thread": "t2"})
-    assert other.headers["x-warmroute-route"] == "new_least_loaded"
+    assert other.headers["x-warmroute-route"] == "new_cheapest"
     assert other.headers["x-warmroute-backend"] != served[0]  # the first backend holds a conversation
     # No budget, no reasoning rewrite: the engine got the client's own bytes, each time.
     assert c.engines[served[0]].raw == [sent] * 3
@@ -197,7 +197,7 @@ def test_the_admin_dry_run_keys_a_new_shape_as_its_endpoint_does(cluster: Cluste
     sample = {"model": "m", "thread": "t9"}
     r = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/toy/talk", "body": sample})
     assert r.status_code == 200, r.text
-    assert (r.json()["key"], r.json()["reason"]) == ("toy:m:t9", "new_least_loaded")
+    assert (r.json()["key"], r.json()["reason"]) == ("toy:m:t9", "new_cheapest")
     bad = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/toy/talk", "body": {"model": "m"}})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "thread")
     gone = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/embeddings", "key": "k"})

@@ -330,7 +330,7 @@ def test_a_none_backend_never_gets_an_image_request_while_another_can_take_it(bo
     assert len(b.engines["t"].raw) == text_only
     # A new image conversation is claimed like any other (the text-only backend is absent, not a failure).
     fresh = [b.chat([user(image(DOG))], session="new").headers["x-warmroute-route"] for _ in range(2)]
-    assert fresh == ["new_least_loaded", "affinity_hit"]
+    assert fresh == ["new_cheapest", "affinity_hit"]  # the default policy (ttft)
     assert all("image_url" not in raw.decode() for raw in b.engines["t"].raw)
 
 

@@ -74,7 +74,7 @@ def test_a_trailing_slash_gets_validation_and_affinity_not_the_engine_verbatim(c
     r = httpx.post(c.url + "/v1/chat/completions/", json={"model": "m", "messages": "not a list"})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
     r = httpx.post(c.url + "/v1/chat/completions/", json=CHAT)
-    assert (r.status_code, r.headers["x-warmroute-route"]) == (200, "new_least_loaded")
+    assert (r.status_code, r.headers["x-warmroute-route"]) == (200, "new_cheapest")  # the default: ttft
     assert c.engines["a"].paths == ["/v1/chat/completions"]
 
 

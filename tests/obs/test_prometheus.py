@@ -138,7 +138,8 @@ def test_promtool_accepts_the_shipped_config() -> None:
 
 def test_prometheus_scrapes_exact_counts_while_traffic_flows(cluster: ClusterFactory, tmp_path: Path) -> None:
     binary("prometheus")
-    c = cluster(engines=[UsageEngine("a"), UsageEngine("b")])
+    # Affinity: under ttft the repeated first turns below would be twins (each a new conversation).
+    c = cluster(engines=[UsageEngine("a"), UsageEngine("b")], routing={"policy": "affinity"})
     with prometheus(tmp_path, c.url.removeprefix("http://")) as prom:
         wait_value(prom, 'up{job="warmroute"}', 1.0)
         total = "sum(warmroute_requests_total)"

@@ -49,7 +49,7 @@ def stream(url: str, content: str = "hello") -> list[str]:
 
 
 def test_routed_requests_by_model_backend_reason_and_outcome(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
+    c = cluster(["a"], routing={"policy": "affinity"})  # under ttft a repeated first turn is a twin
     assert chat(c.url).status_code == 200  # a new conversation
     assert chat(c.url).status_code == 200  # its second turn: the pin holds
     assert chat(c.url, model="zz").status_code == 404  # refused before routing: no model label for it
@@ -69,7 +69,7 @@ def test_engine_status_is_the_outcome(cluster: ClusterFactory) -> None:
     assert chat(c.url).status_code == 400
     c.wait_idle()
     assert nonzero(c.url, "warmroute_routed_requests_total") == {
-        labels(model="m", backend="a", reason="new_least_loaded", outcome="http_4xx"): 1
+        labels(model="m", backend="a", reason="new_cheapest", outcome="http_4xx"): 1  # the default: ttft
     }
 
 

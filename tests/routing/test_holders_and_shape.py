@@ -72,3 +72,18 @@ def test_twins_get_distinct_keys_once_their_replies_differ_and_equal_ones_otherw
     assert reply_key(head, "r") != reply_key(
         chat_key({"model": "m2", "messages": [{"role": "user", "content": "task"}]}), "r"
     )
+
+
+def test_holders_name_the_backend_of_the_latest_first_turn() -> None:
+    h = HeadHolders()
+    assert h.latest("k") is None
+    h.add("k", "a", first_turn=True)
+    h.add("k", "b")  # a follow-up: held there too, but not the latest first turn
+    assert (h.get("k"), h.latest("k")) == ({"a", "b"}, "a")
+    h.add("k", "b", first_turn=True)
+    assert h.latest("k") == "b"
+    h.drop("k", "a")
+    assert (h.get("k"), h.latest("k")) == ({"b"}, "b")
+    h.add("k", "a")
+    h.drop("k", "b")  # the latest lost the head: no latest until the next first turn
+    assert (h.get("k"), h.latest("k")) == ({"a"}, None)

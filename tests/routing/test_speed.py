@@ -76,3 +76,23 @@ def test_ewma() -> None:
     e = Ewma(10.0, alpha=0.5)
     e.add(20.0)
     assert e.value == 15.0
+
+
+def test_with_refresh_s_samples_are_summed_and_rates_recomputed_at_most_that_often() -> None:
+    s = SpeedEstimator({"a": 1.0}, half_life_s=10.0, prior_tokens=1000.0, refresh_s=0.5)
+    s.prefill("a", 9000, 9.0, now=0.0)
+    assert s.prefill_tps["a"] == DEFAULT_PREFILL_TPS  # summed, not yet recomputed
+    assert s.refresh(now=0.0) is True
+    first = s.prefill_tps["a"]
+    assert first < DEFAULT_PREFILL_TPS
+    s.prefill("a", 9000, 9.0, now=0.1)
+    assert s.refresh(now=0.1) is False and s.prefill_tps["a"] == first  # within refresh_s
+    assert s.refresh(now=0.6) is True and s.prefill_tps["a"] != first  # the later sample is in
+    assert s.refresh(now=5.0) is False  # nothing new since
+
+
+def test_without_refresh_s_every_sample_recomputes() -> None:
+    s = SpeedEstimator({"a": 1.0}, prior_tokens=1000.0)
+    s.prefill("a", 9000, 9.0, now=0.0)
+    assert s.prefill_tps["a"] < DEFAULT_PREFILL_TPS
+    assert s.refresh(now=0.0) is False  # already current

@@ -22,6 +22,7 @@ candidates = st.lists(
         prefilling=st.integers(0, 100_000),
         prefill_tps=st.one_of(st.just(0.0), st.floats(10.0, 1e5)),
         waiting=st.integers(-1, 40),
+        retention=st.one_of(st.just(1.0), st.floats(0.0, 1.0)),
     ),
     max_size=5,
     unique_by=lambda c: c.id,
@@ -38,6 +39,9 @@ requests = st.builds(
     turn_tokens=st.integers(0, 5000),
     holders=st.frozensets(st.sampled_from(IDS), max_size=5),
     hint=backend,
+    engine_cached=st.one_of(
+        st.none(), st.dictionaries(st.sampled_from(IDS), st.integers(-10, 300_000), max_size=5)
+    ),
 )
 POLICY = TtftPolicy(RoutingParams("ttft", 2.0, 8, False))
 

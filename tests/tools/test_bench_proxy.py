@@ -103,7 +103,7 @@ def test_tiny_run_reports_both_paths_and_the_gateway_really_claimed_or_hit(tmp_p
     assert "[hit]" in done.stdout and "[new]" in done.stdout and "gateway after the path" in done.stdout
     doc = json.loads(out.read_text())
     assert list(doc["paths"]) == ["hit", "new"] and doc["wrk"] is True and doc["body_bytes"] > 500
-    for path, want in (("hit", "affinity_hit"), ("new", "new_least_loaded")):
+    for path, want in (("hit", "affinity_hit"), ("new", "new_cheapest")):  # the default policy: ttft
         p = doc["paths"][path]
         assert set(p["decisions"]) == {want}, p["decisions"]  # every request took the intended path
         gateway_requests = sum(r["requests"] for w in ("sequential", "concurrent") for r in p[w]["gateway"])
@@ -115,7 +115,7 @@ def test_tiny_run_reports_both_paths_and_the_gateway_really_claimed_or_hit(tmp_p
         )
         assert gw["gc_ms_per_s"] is not None and p["concurrent"]["gateway"][0]["gc"]["gen0"]["count"] > 0
         assert p["rss_after_bytes"] > 10 * 2**20 and (p["entries_after"] is None or p["entries_after"] > 0)
-    assert doc["paths"]["new"]["claims_so_far"] >= doc["paths"]["new"]["decisions"]["new_least_loaded"]
+    assert doc["paths"]["new"]["claims_so_far"] >= doc["paths"]["new"]["decisions"]["new_cheapest"]
     assert set(doc["targets"]) == {"new", "new_vs_hit"}
     assert set(doc["targets"]["new"]) == {"rps", "cpu_us_per_request", "p99_ms"}
 
@@ -139,7 +139,7 @@ def test_medians_pair_rounds_for_added_latency_and_the_table_shows_missing_entri
             "direct": [run(1.0, 2.0)],
             "gateway": [run(5.0, 12.0, cpu_us_per_request=190.0, gc=gc_stats)],
         },
-        decisions={"new_least_loaded": 1990.0, "affinity_hit": 10.0},
+        decisions={"new_cheapest": 1000.0, "new_least_loaded": 990.0, "affinity_hit": 10.0},
         rss_after_bytes=64 * 2**20,
     )
     med = medians(r)
