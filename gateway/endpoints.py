@@ -127,7 +127,7 @@ class Endpoint:
             self.keying.session_keyed(identity.source, identity.subagent)
             return
         self.keying.session_keyed(HEAD, False)
-        if ctx.body is not None and self.volatile and self.volatile.present(ctx.body):
+        if ctx.body is not None and self.volatile.may_hold(ctx.raw) and self.volatile.present(ctx.body):
             self.keying.volatile_normalised("key")
 
     def make(

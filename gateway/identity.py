@@ -57,7 +57,7 @@ class KeyingMetrics(Protocol):
 class SessionIdentity:
     """The configured sources, in order; ``identify`` is called once per request with a conversation."""
 
-    __slots__ = ("agent_header", "agent_label", "names", "sources")
+    __slots__ = ("agent_header", "agent_label", "body_roots", "names", "sources")
 
     def __init__(self, sources: Sequence[SessionSource], subagent_header: str | None = None) -> None:
         self.sources = tuple(sources)
@@ -67,6 +67,10 @@ class SessionIdentity:
         #: Every header name read: one pass over a request's headers finds them all.
         wanted = [s.header for s in self.sources if s.kind is SourceKind.HEADER]
         self.names = frozenset(wanted + ([self.agent_header] if self.agent_header else []))
+        #: The top-level body fields a body source starts at.
+        self.body_roots = tuple(
+            dict.fromkeys(s.path[0] for s in self.sources if s.kind is not SourceKind.HEADER)
+        )
 
     @classmethod
     def from_config(cls, routing: RoutingConfig) -> SessionIdentity:
@@ -89,6 +93,8 @@ class SessionIdentity:
         for k, v in headers:
             if k in names and k not in found:  # a header sent twice: its first value, as everywhere
                 found[k] = v
+        if not found and (body is None or not any(root in body for root in self.body_roots)):
+            return None  # the common request: no source can be present (one dict lookup per body root)
         for source in self.sources:
             value = self._value(source, found, body)
             if not value:

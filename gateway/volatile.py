@@ -47,6 +47,8 @@ class VolatileStrip:
         body = draft.read()
         if body is None or not self.rules:
             return
+        if ctx is not None and not self.rules.may_hold(ctx.raw):  # the client's bytes hold none
+            return
         anthropic = "system" in body
         rules = self.rules_for(backend, ShapeName.MESSAGES if anthropic else ShapeName.CHAT)
         if not rules:

@@ -223,7 +223,8 @@ def reply_key(key: str, reply: str) -> str:
     The gateway computes the same value from the reply as it streams past (``gateway.observe``), so each of
     several conversations sharing one head follows the backend that produced its own first reply.
     """
-    return _digest([b"reply", key.encode(), reply[:REPLY_CHARS].encode()])
+    # A reply is a later turn's text, not validated (the engine judges it): a lone surrogate hashes as is.
+    return _digest([b"reply", key.encode(), reply[:REPLY_CHARS].encode("utf-8", "surrogatepass")])
 
 
 def first_reply(messages: list[Any]) -> str | None:

@@ -13,6 +13,7 @@ same object otherwise, so a caller can tell by identity).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,6 +37,14 @@ class VolatileRules:
 
     def matches(self, text: str) -> bool:
         return bool(self.prefixes) and text.startswith(self.prefixes)
+
+    def may_hold(self, raw: bytes) -> bool:
+        """Whether a JSON body's bytes may hold volatile text: a prefix as written (JSON-escaped, UTF-8), or
+        any ``\\u`` escape (which could spell one). False means none can be there: the parsed body need not
+        be walked (the common request pays two byte searches)."""
+        if not self.prefixes or raw.find(b"\\u") >= 0:
+            return bool(self.prefixes)
+        return any(raw.find(p) >= 0 for p in _escaped(self.prefixes))
 
     def volatile_block(self, block: Any) -> bool:
         """A text block (``{"type": "text", "text": ...}``) whose text is volatile."""
@@ -89,6 +98,12 @@ class VolatileRules:
                 if self.drop_content(content) is not content:
                     return True
         return False
+
+
+@lru_cache(maxsize=16)
+def _escaped(prefixes: tuple[str, ...]) -> tuple[bytes, ...]:
+    """Each prefix as it appears inside a JSON string (quotes and backslashes escaped), UTF-8."""
+    return tuple(json.dumps(p, ensure_ascii=False)[1:-1].encode() for p in prefixes)
 
 
 @lru_cache(maxsize=16)

@@ -68,6 +68,8 @@ class Explainer:
         if feedback is not None and ctx is not None:
             feedback.plan(ctx)  # as the proxy does before routing: the key may grow a reply hash
             key = ctx.affinity_key
+            if ctx.route is None:  # no turn (a token count): routed as the proxy does, without the learner
+                feedback = None
         view = await self.store.view(key if policy.uses_affinity else None)
         decision: Decision
         now = time.monotonic()

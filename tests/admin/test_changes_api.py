@@ -51,7 +51,7 @@ def test_one_announcement_for_the_whole_gateway_and_a_weight_change_is_one(clust
 
 
 def test_each_pin_claimed_counts_once_and_a_turn_that_keeps_it_none(cluster: ClusterFactory) -> None:
-    c = cluster(["a"])
+    c = cluster(["a"], routing={"policy": "affinity"})  # a repeated first turn is one pin (ttft: twins)
     c.wait_for(lambda: c.gateway.registry.backends["a"].state.value == "ready", "a ready")
     version = changes(c.url).json()["version"]
     assert chat(c.url, "conv-1").status_code == 200  # a new conversation: its pin is claimed

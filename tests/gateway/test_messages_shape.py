@@ -126,7 +126,7 @@ def test_a_conversation_stays_on_one_engine_which_gets_the_client_s_own_bytes(
         assert r.status_code == 200, r.text
         served.append(r.headers["x-warmroute-backend"])
         reasons.append(r.headers["x-warmroute-route"])
-    assert reasons == ["new_least_loaded", "affinity_hit"]
+    assert reasons == ["new_cheapest", "affinity_hit"]
     assert served[0] == served[1]
     engine = c.engines[served[0]]
     assert engine.raw == sent and engine.paths == [MSG, MSG]
@@ -135,7 +135,7 @@ def test_a_conversation_stays_on_one_engine_which_gets_the_client_s_own_bytes(
 
 
 def test_count_tokens_goes_where_its_conversation_is_and_never_pins(cluster: ClusterFactory) -> None:
-    c = cluster(engines=[AnthropicEngine("a"), AnthropicEngine("b")])
+    c = cluster(engines=[AnthropicEngine("a"), AnthropicEngine("b")], routing={"policy": "affinity"})
     count_body = {k: v for k, v in turn1().items() if k != "max_tokens"}
     before = post(c.url, count_body, COUNT)  # before the conversation's first turn: nothing to follow
     assert before.status_code == 200, before.text

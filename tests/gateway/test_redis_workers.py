@@ -81,6 +81,7 @@ def test_workers_share_affinity_and_a_killed_gateways_leases_expire(
                     "server": {"log_level": "warning"},
                     "backends": [{"id": n, "url": u, "models": ["m"]} for n, u in urls.items()],
                     "health": {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+                    "routing": {"policy": "affinity"},  # pins shared through Redis are the subject
                     "redis": redis_cfg.model_dump(),
                 }
             )

@@ -399,7 +399,7 @@ def test_under_the_ttft_policy_a_first_streamed_reply_is_learned(cluster: Cluste
 
 
 def test_explain_takes_a_responses_body_and_names_the_owner_of_a_chain(cluster: ClusterFactory) -> None:
-    c = two(cluster)
+    c = two(cluster, routing={"policy": "affinity"})
     sample = {**HEAD, "input": "task"}
     fresh = httpx.post(c.url + "/admin/route/explain", json={"path": "/v1/responses", "body": sample})
     assert fresh.status_code == 200, fresh.text

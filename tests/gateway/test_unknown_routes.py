@@ -51,7 +51,7 @@ class NarrowEngine(FakeEngine):
 
 
 def test_an_unknown_v1_path_is_forwarded_and_its_404_is_openai_shaped(cluster: ClusterFactory) -> None:
-    c = cluster(engines=[NarrowEngine("a")])
+    c = cluster(engines=[NarrowEngine("a")], routing={"policy": "affinity"})  # no /metrics scrapes
     for method, path in [("POST", "/v1/nope"), ("GET", "/v1/nope/deeper?x=1"), ("POST", "/v1/detail")]:
         r = httpx.request(method, c.url + path, json=CHAT if method == "POST" else None)
         route = path.split("?")[0]

@@ -170,7 +170,8 @@ def test_engines_get_the_stripped_body_or_the_clients_bytes_as_their_dialect_nee
 
 
 def test_chat_turns_with_fresh_nonces_key_alike_and_each_is_counted(gateway: Callable[..., Gateway]) -> None:
-    url, engines, _ = gateway([{"id": "a"}, {"id": "b"}])
+    # Affinity: one key, one pin (under ttft repeated first turns are twins of one head, placed apart).
+    url, engines, _ = gateway([{"id": "a"}, {"id": "b"}], routing={"policy": "affinity"})
     homes = set()
     for nonce in ("1", "2", "3"):
         r = httpx.post(url + "/v1/chat/completions", json=chat(nonce))

@@ -197,8 +197,8 @@ class Recorder:
 
 
 def forwarded_to(engine: HostileEngine) -> list[tuple[str, str, bytes]]:
-    """What the engine was asked, its health probes left out."""
-    return [(r.method, r.path, r.body) for r in engine.requests if r.path != "/health"]
+    """What the engine was asked, its health probes and the default policy's /metrics scrapes left out."""
+    return [(r.method, r.path, r.body) for r in engine.requests if r.path not in ("/health", "/metrics")]
 
 
 @dataclass
