@@ -48,7 +48,7 @@ def cached_tokens(c: Candidate, request: RouteRequest) -> int:
         held = min(request.head_tokens, request.prompt_tokens)
     else:
         return 0
-    return held if c.retention >= 1.0 else int(held * c.retention)
+    return int(held * c.retention) if c.retention < 1.0 else held  # (not a number: nothing learned, all held)
 
 
 def lost_history(c: Candidate, request: RouteRequest) -> bool:

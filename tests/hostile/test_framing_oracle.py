@@ -262,7 +262,8 @@ def test_the_gateway_reads_requests_as_h11_does_or_refuses(
     forwarded = [s for s in want[: case.served] if s.target.startswith("/v1/")]
     assert forwarded_to(rig.engine) == [(s.method, s.target, bytes(s.body)) for s in forwarded]
     received = rig.engine.received
-    request_lines = received.count(b" HTTP/1.1\r\n") - received.count(b"GET /health HTTP/1.1\r\n")
+    probes = received.count(b"GET /health HTTP/1.1\r\n") + received.count(b"GET /metrics HTTP/1.1\r\n")
+    request_lines = received.count(b" HTTP/1.1\r\n") - probes
     assert request_lines == len(forwarded)  # the engine read nothing but these requests (and probes)
     if case.refused is None:
         assert (len(want), how) == (case.served, "close")  # h11 reads exactly these, then the close

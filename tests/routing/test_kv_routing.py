@@ -92,6 +92,7 @@ CANDS = st.lists(
         in_flight=st.integers(0, 20),
         conversations=st.integers(0, 50),
         prefill_tps=st.floats(100.0, 1e4),
+        retention=st.floats(0.0, 1.0),  # a share (the gateway's retention estimate)
     ),
     max_size=4,
     unique_by=lambda c: c.id,
