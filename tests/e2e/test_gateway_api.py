@@ -72,8 +72,9 @@ def test_chat_streamed_with_reasoning_and_usage(
     assert finish in (["length"], ["stop"])
     assert len(usage) == 1 and usage[0].completion_tokens >= len(reasoning) + len(content)
     assert usage[0].prompt_tokens > 0
-    # Relayed chunk by chunk, not buffered: decoding ~10 tokens takes tens of milliseconds here.
-    assert len(arrivals) >= 4 and arrivals[-1] - arrivals[0] > 0.005
+    # Relayed as events (one chunk each), not one buffered body. No clock: a client that reads late (a busy
+    # machine) finds every chunk already there, so arrival times say nothing about the gateway.
+    assert len(arrivals) >= 4
     assert affinity_gateway.wait_idle() == 0
 
 

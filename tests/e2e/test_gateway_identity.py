@@ -63,7 +63,7 @@ def test_session_ids_split_identical_heads_from_their_first_turn(vllm_engines: l
     with gateway(vllm_engines) as url:
         first = {sid: chat(url, head, {"x-claude-code-session-id": f"{run}-{sid}"}) for sid in ("a", "b")}
         assert {b for b, *_ in first.values()} == {e.name for e in vllm_engines}
-        assert [r for _, r, *_ in first.values()] == ["new_least_loaded"] * 2
+        assert [r for _, r, *_ in first.values()] == ["new_cheapest"] * 2  # the default policy (ttft)
         for sid, (home, _route, reply, _tokens) in first.items():
             follow = [*head, {"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
             backend, route, *_ = chat(url, follow, {"x-claude-code-session-id": f"{run}-{sid}"})
