@@ -6,7 +6,7 @@ ratio (``gateway.learning``). Images count ``IMAGE_CHARS`` each (an image costs 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 IMAGE_CHARS = 2000
@@ -19,13 +19,19 @@ class Shape(NamedTuple):
 
 
 def chat_shape(messages: list[Any]) -> Shape:
-    head = tail = 0
+    return turns_shape(messages, message_chars)
+
+
+def turns_shape(messages: Iterable[Any], chars: Callable[[Mapping[str, Any]], int], system: int = 0) -> Shape:
+    """The shape of a list of turns, each message measured by ``chars``; ``system``: characters that stand
+    before the messages (in the head, and in the tail until the first reply)."""
+    head = tail = system
     replies = 0
     in_head = True
     for msg in messages:
         if not isinstance(msg, dict):
             continue
-        n = message_chars(msg)
+        n = chars(msg)
         if in_head:
             head += n
             in_head = msg.get("role") != "user"
@@ -59,22 +65,11 @@ def message_chars(msg: Mapping[str, Any]) -> int:
 def messages_shape(body: Mapping[str, Any]) -> Shape:
     """An Anthropic Messages body: ``system`` counts in the head, content blocks by their text (tool input
     and results by their JSON or text; images ``IMAGE_CHARS``)."""
-    head = tail = block_chars(body.get("system"))
-    replies = 0
-    in_head = True
-    for msg in body.get("messages") or ():
-        if not isinstance(msg, dict):
-            continue
-        n = block_chars(msg.get("content"))
-        if in_head:
-            head += n
-            in_head = msg.get("role") != "user"
-        if msg.get("role") == "assistant":
-            replies += 1
-            tail = 0
-        else:
-            tail += n
-    return Shape(head, tail, replies + 1)
+    return turns_shape(body.get("messages") or (), _content_chars, block_chars(body.get("system")))
+
+
+def _content_chars(msg: Mapping[str, Any]) -> int:
+    return block_chars(msg.get("content"))
 
 
 def block_chars(content: Any) -> int:
