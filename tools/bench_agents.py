@@ -19,9 +19,10 @@ Sessions pause between turns (the agent running a tool: ``AgentSpec.pause_s``, t
   4 engines: turn-1 load max/mean.
 
 Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), ``oracle`` (session i straight
-to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``
-against engines with the native shape turned off: the gateway must translate; the variant says so and is
-skipped when the gateway cannot serve it).
+to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``,
+or the policy it names as in ``translated@policy=ttft``, against engines with the native shape turned off: the
+gateway must translate; compared with its native twin; the variant says so and is skipped when the gateway
+cannot serve it).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from tools.redis_server import RedisServer, find_binary
 MODEL = "sim-model"
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
 TRANSLATED = report.TRANSLATED
+TRANSLATED_TTFT = f"{TRANSLATED}@policy=ttft"
 BILLING_PREFIX = "x-anthropic-billing-header"
 SHAPE_FLAG = {"messages": "--no-messages-api", "codex": "--no-responses-api", "chain": "--no-responses-api"}
 SHAPE_PATH = {"messages": MESSAGES_PATH, "codex": RESPONSES_PATH, "chain": RESPONSES_PATH}
@@ -66,7 +68,7 @@ class AgentScenario:
     shape: str  # "messages" | "codex" | "chain"
     spec: AgentSpec
     engines: int = 2
-    variants: tuple[str, ...] = ("affinity", "ttft", "oracle", TRANSLATED)
+    variants: tuple[str, ...] = ("affinity", "ttft", "oracle", TRANSLATED, TRANSLATED_TTFT)
     replicas: int = 1
     target: str = "follow-up TTFT <= 1.05x oracle; 0 follow-ups moved except by a spill or failure"
     engine_flags: tuple[str, ...] = ()  # every engine of the scenario, e.g. ("--keep-billing-block",)
@@ -94,7 +96,6 @@ SCENARIOS: dict[str, AgentScenario] = {
         "messages",
         AgentSpec(sessions=16, shared_task=True),
         engines=4,
-        variants=("affinity", "ttft", "oracle"),
         target="turn-1 load max/mean <= 1.2; follow-ups <= 1.05x oracle",
     ),
 }
@@ -222,7 +223,7 @@ async def run_variant(
     redis_url: str | None,
 ) -> dict[str, Any]:
     name, _, settings = variant.partition("@")
-    policy = report.NATIVE if name == TRANSLATED else name
+    policy = report.translated_policy(variant) or name
     engines = engine_sets[TRANSLATED if name == TRANSLATED else "native"]
     for e in engines:
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
@@ -282,7 +283,7 @@ def run_scenario(
     chosen = tuple(variants) or sc.variants
     with Launcher(f"warmroute-{name}-") as launch:
         engine_sets = {"native": start_engines(launch, sc.engines, profile, "engine", sc.engine_flags)}
-        if TRANSLATED in chosen:
+        if any(report.translated_policy(v) for v in chosen):
             engine_sets[TRANSLATED] = start_engines(
                 launch, sc.engines, profile, "plain", (SHAPE_FLAG[sc.shape], *sc.engine_flags)
             )
