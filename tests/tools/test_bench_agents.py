@@ -179,3 +179,14 @@ def test_every_agent_scenario_is_known_to_the_bench_command() -> None:
         set(sc.variants) <= {"affinity", "ttft", "oracle", "translated", "translated@policy=ttft"}
         for sc in bench_agents.SCENARIOS.values()
     )
+
+
+def test_translated_engines_are_configured_without_the_scenario_s_shape() -> None:
+    kept = bench_agents.SCENARIOS["claude-code-billing-kept"]
+    assert bench_agents.backend_keys(kept, translated=False) == (("dialect", "llamacpp"),)
+    assert dict(bench_agents.backend_keys(kept, translated=True)) == {
+        "dialect": "llamacpp",  # whose own list has messages: native_shapes overrides it
+        "native_shapes": ["chat", "completions", "responses"],
+    }
+    codex = dict(bench_agents.backend_keys(bench_agents.SCENARIOS["codex"], translated=True))
+    assert codex == {"native_shapes": ["chat", "completions", "messages"]}
