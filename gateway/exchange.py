@@ -126,7 +126,8 @@ class Relay:
         assert ctx.attempt is not None
         out = [f for m in self.factories if (f := m.body_filter(ctx, ctx.attempt, status, sse)) is not None]
         if self.tap:
-            reply, shape = ctx.route is not None and ctx.route.first_turn, ctx.shape
+            route = ctx.route
+            reply, shape = route is not None and route.first_turn and route.teaches, ctx.shape
             if shape.usage_head:  # its usage is split between the first event and the last
                 ctx.tap = HeadTap(shape.usage_head, reply, shape.reply)
             else:

@@ -104,9 +104,10 @@ class RoutingFeedback:
             reply = first_reply(messages)
             if reply is not None:
                 ctx.route_key = reply_key(ctx.key, reply)
-        # A request that is no turn (a token count) is routed under the same key, and teaches nothing: no
-        # prefill queued, no holder, no speed (``ctx.route`` None keeps ``sent`` and ``observe`` out).
-        ctx.route = info if ctx.shape.pins else None
+        # A request that is no turn (a token count) is routed as its conversation's next turn would be (the
+        # same key, pin, reply hint and holders), and teaches nothing: no prefill queued, no holder, no speed.
+        info.teaches = ctx.shape.pins
+        ctx.route = info
 
     def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
         info = ctx.route
@@ -186,7 +187,7 @@ class RoutingFeedback:
     def sent(self, ctx: RequestContext, lease: Lease, uncached_tokens: int) -> None:
         """The request went to ``lease.backend``: queue its prefill there and remember who holds what."""
         info = ctx.route
-        if info is None:
+        if info is None or not info.teaches:
             return
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
@@ -204,7 +205,7 @@ class RoutingFeedback:
 
     def observe(self, obs: Observation) -> None:
         info = obs.route
-        if info is None or obs.outcome is not RequestOutcome.OK:
+        if info is None or not info.teaches or obs.outcome is not RequestOutcome.OK:
             return
         now = self.clock()
         added = None

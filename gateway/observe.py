@@ -51,6 +51,7 @@ class RouteInfo:
     kv_estimate: int = -1  # cached tokens the KV index said that engine held (-1: it had no answer)
     home: str | None = None  # a follow-up's pinned backend or twin hint: where its history should be cached
     own_key: bool = False  # keyed by a session id: the key names this conversation alone, never a twin's head
+    teaches: bool = True  # False for a request that is no turn (a token count): routed as one, learns nothing
 
     @property
     def twin_head(self) -> bool:

@@ -19,9 +19,10 @@ Sessions pause between turns (the agent running a tool: ``AgentSpec.pause_s``, t
   4 engines: turn-1 load max/mean.
 
 Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), ``oracle`` (session i straight
-to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``
-against engines with the native shape turned off: the gateway must translate; the variant says so and is
-skipped when the gateway cannot serve it).
+to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``,
+or the policy it names as in ``translated@policy=ttft``, against engines with the native shape turned off: the
+gateway must translate; compared with its native twin; the variant says so and is skipped when the gateway
+cannot serve it).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ from tools.redis_server import RedisServer, find_binary
 MODEL = "sim-model"
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
 TRANSLATED = report.TRANSLATED
+TRANSLATED_TTFT = f"{TRANSLATED}@policy=ttft"
 BILLING_PREFIX = "x-anthropic-billing-header"
 SHAPE_FLAG = {"messages": "--no-messages-api", "codex": "--no-responses-api", "chain": "--no-responses-api"}
 SHAPE_PATH = {"messages": MESSAGES_PATH, "codex": RESPONSES_PATH, "chain": RESPONSES_PATH}
+API_SHAPES = ("chat", "completions", "messages", "responses")  # backends[].native_shapes values
+SHAPE_OFF = {"messages": "messages", "codex": "responses", "chain": "responses"}  # what SHAPE_FLAG turns off
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +70,11 @@ class AgentScenario:
     shape: str  # "messages" | "codex" | "chain"
     spec: AgentSpec
     engines: int = 2
-    variants: tuple[str, ...] = ("affinity", "ttft", "oracle", TRANSLATED)
+    variants: tuple[str, ...] = ("affinity", "ttft", "oracle", TRANSLATED, TRANSLATED_TTFT)
     replicas: int = 1
     target: str = "follow-up TTFT <= 1.05x oracle; 0 follow-ups moved except by a spill or failure"
     engine_flags: tuple[str, ...] = ()  # every engine of the scenario, e.g. ("--keep-billing-block",)
-    backend: tuple[tuple[str, str], ...] = ()  # extra keys of each backend in the gateway config
+    backend: tuple[tuple[str, Any], ...] = ()  # extra keys of each backend in the gateway config
 
 
 SCENARIOS: dict[str, AgentScenario] = {
@@ -86,7 +90,7 @@ SCENARIOS: dict[str, AgentScenario] = {
     "responses-chain": AgentScenario(
         "chain",
         AgentSpec(),
-        variants=("affinity", "oracle"),
+        variants=("affinity", "ttft", "oracle"),  # no translated variant: chat engines keep no responses
         replicas=2,
         target="100 % of follow-ups reach the owning engine; 0 404s while the owner lives",
     ),
@@ -94,7 +98,6 @@ SCENARIOS: dict[str, AgentScenario] = {
         "messages",
         AgentSpec(sessions=16, shared_task=True),
         engines=4,
-        variants=("affinity", "ttft", "oracle"),
         target="turn-1 load max/mean <= 1.2; follow-ups <= 1.05x oracle",
     ),
 }
@@ -117,6 +120,14 @@ def start_engines(
     return [Engine(c.name, c.url) for c in started]
 
 
+def backend_keys(sc: AgentScenario, translated: bool) -> tuple[tuple[str, Any], ...]:
+    """Extra keys of each backend: for the translated engines, the gateway is told (as an operator would be,
+    whatever the dialect says) that they lack the scenario's shape."""
+    if not translated:
+        return sc.backend
+    return (*sc.backend, ("native_shapes", [s for s in API_SHAPES if s != SHAPE_OFF[sc.shape]]))
+
+
 def _all_ready(response: httpx.Response) -> bool:
     backends = response.json().get("backends", {}) if response.status_code == 200 else {}
     return bool(backends) and all(b.get("state") == "ready" for b in backends.values())
@@ -128,7 +139,7 @@ def start_gateway(
     routing: dict[str, Any],
     name: str,
     redis_url: str | None,
-    backend: Sequence[tuple[str, str]] = (),
+    backend: Sequence[tuple[str, Any]] = (),
 ) -> Child:
     port = free_port()
     config = {
@@ -222,18 +233,19 @@ async def run_variant(
     redis_url: str | None,
 ) -> dict[str, Any]:
     name, _, settings = variant.partition("@")
-    policy = report.NATIVE if name == TRANSLATED else name
+    policy = report.translated_policy(variant) or name
     engines = engine_sets[TRANSLATED if name == TRANSLATED else "native"]
     for e in engines:
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
     routing: dict[str, Any] = {"policy": policy, "active_window_s": 10.0 * time_scale,
                                "speed_half_life_s": 15.0 * time_scale}  # fmt: skip
     routing.update({k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)})
+    backend = backend_keys(sc, translated=name == TRANSLATED)
     gateways = []
     try:
         if policy != report.ORACLE:
             gateways = [
-                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis_url, sc.backend)
+                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis_url, backend)
                 for i in range(sc.replicas)
             ]
             if name == TRANSLATED and (why := await _probe(client, gateways[0].url, sc.shape)) is not None:
@@ -282,7 +294,7 @@ def run_scenario(
     chosen = tuple(variants) or sc.variants
     with Launcher(f"warmroute-{name}-") as launch:
         engine_sets = {"native": start_engines(launch, sc.engines, profile, "engine", sc.engine_flags)}
-        if TRANSLATED in chosen:
+        if any(report.translated_policy(v) for v in chosen):
             engine_sets[TRANSLATED] = start_engines(
                 launch, sc.engines, profile, "plain", (SHAPE_FLAG[sc.shape], *sc.engine_flags)
             )

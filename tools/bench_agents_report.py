@@ -21,7 +21,7 @@ from tools.agent_client import AgentResult
 
 ORACLE = "oracle"
 TRANSLATED = "translated"
-NATIVE = "affinity"  # the translated variant runs this policy: its native twin
+NATIVE = "affinity"  # a translated variant runs this policy unless it names one (translated@policy=ttft)
 BRIEF_KEYS = (
     "followup_ttft_ms",
     "vs_oracle",
@@ -99,16 +99,31 @@ def medians(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def add_ratios(by_variant: dict[str, dict[str, Any]]) -> None:
-    """``vs_oracle`` for every variant that ran; ``vs_native`` for the translated one (over ``affinity``)."""
+    """``vs_oracle`` for every variant that ran; ``vs_native`` for each translated one, over its native twin
+    (the variant named by its policy: ``translated`` over ``affinity``, ``translated@policy=ttft`` over
+    ``ttft``)."""
     reference = by_variant.get(ORACLE, {}).get("followup_ttft_ms")
     for stats in by_variant.values():
         if "skipped" in stats:
             continue
         value = stats.get("followup_ttft_ms")
         stats["vs_oracle"] = value / reference if value and reference else None
-    translated, native = by_variant.get(TRANSLATED, {}), by_variant.get(NATIVE, {}).get("followup_ttft_ms")
-    if "skipped" not in translated and (value := translated.get("followup_ttft_ms")) and native:
-        translated["vs_native"] = value / native
+    for variant, stats in by_variant.items():
+        twin = translated_policy(variant)
+        if twin is None or "skipped" in stats:
+            continue
+        native = by_variant.get(twin, {}).get("followup_ttft_ms")
+        if (value := stats.get("followup_ttft_ms")) and native:
+            stats["vs_native"] = value / native
+
+
+def translated_policy(variant: str) -> str | None:
+    """The gateway policy a translated variant runs, i.e. its native twin (None: not a translated one)."""
+    name, _, settings = variant.partition("@")
+    if name != TRANSLATED:
+        return None
+    pairs = dict(s.partition("=")[::2] for s in settings.split(";") if s)
+    return pairs.get("policy", NATIVE).strip()
 
 
 def brief(result: dict[str, Any]) -> str:

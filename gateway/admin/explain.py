@@ -67,9 +67,7 @@ class Explainer:
         feedback = self.feedback if ctx is not None and ctx.owned_id is None else None
         if feedback is not None and ctx is not None:
             feedback.plan(ctx)  # as the proxy does before routing: the key may grow a reply hash
-            key = ctx.affinity_key
-            if ctx.route is None:  # no turn (a token count): routed as the proxy does, without the learner
-                feedback = None
+            key = ctx.affinity_key  # a token count is planned as its conversation's next turn, as there
         view = await self.store.view(key if policy.uses_affinity else None)
         decision: Decision
         now = time.monotonic()

@@ -457,3 +457,20 @@ def test_the_admin_dry_run_keys_a_messages_body_as_the_endpoint_does(cluster: Cl
     sample = {"path": MSG, "body": {"model": "m", "messages": []}}
     bad = httpx.post(c.url + "/admin/route/explain", json=sample)
     assert bad.status_code == 400 and "max_tokens" in bad.text
+
+
+def test_under_ttft_a_later_turn_s_count_goes_where_that_turn_goes(cluster: ClusterFactory) -> None:
+    """No session id: turn 2 is told apart by its first reply (the key grows a reply hash, the engine that
+    wrote that reply is its home); its count must follow the same key and home, not land as a new head."""
+    c = cluster(engines=[AnthropicEngine("a"), AnthropicEngine("b")])  # the default policy, ttft
+    first = post(c.url, turn1())
+    home = first.headers["x-warmroute-backend"]
+    c.wait_idle()
+    count_body = {k: v for k, v in turn2().items() if k != "max_tokens"}
+    counted = [post(c.url, count_body, COUNT) for _ in range(3)]  # a count teaches nothing: same answer
+    assert [r.headers["x-warmroute-backend"] for r in counted] == [home] * 3
+    dry = httpx.post(c.url + "/admin/route/explain", json={"path": COUNT, "body": count_body}).json()
+    assert dry["backend"] == home and dry["reason"] == counted[0].headers["x-warmroute-route"]
+    second = post(c.url, turn2())
+    assert second.headers["x-warmroute-backend"] == home
+    assert {r.headers["x-warmroute-route"] for r in counted} == {second.headers["x-warmroute-route"]}

@@ -156,11 +156,16 @@ def test_summary_counts_moves_with_reasons_and_turn1_load() -> None:
     medians = {"a": bench_agents_report.medians([stats, {**stats, "followup_ttft_ms": 400.0}])}
     medians["oracle"] = bench_agents_report.medians([{**stats, "followup_ttft_ms": 100.0}])
     medians["translated"] = bench_agents_report.medians([{"skipped": "no"}])
+    medians["ttft"] = bench_agents_report.medians([{**stats, "followup_ttft_ms": 200.0}])
+    medians["translated@policy=ttft"] = bench_agents_report.medians([{**stats, "followup_ttft_ms": 220.0}])
     bench_agents_report.add_ratios(medians)
     assert medians["a"]["vs_oracle"] == pytest.approx(3.0) and medians["a"]["moved_reasons"] == {
         "spill_overload": 2
     }
     assert medians["translated"] == {"skipped": "no"}
+    assert medians["translated@policy=ttft"]["vs_native"] == pytest.approx(1.1)  # over its twin, ttft
+    assert bench_agents_report.translated_policy("translated") == "affinity"
+    assert bench_agents_report.translated_policy("ttft@stay_margin=1") is None
 
 
 def test_every_agent_scenario_is_known_to_the_bench_command() -> None:
@@ -171,6 +176,17 @@ def test_every_agent_scenario_is_known_to_the_bench_command() -> None:
     assert set(bench_agents.SCENARIOS) == {"claude-code", "claude-code-billing", "claude-code-billing-kept",
                                            "codex", "responses-chain", "agents-16x4"}  # fmt: skip
     assert all(
-        set(sc.variants) <= {"affinity", "ttft", "oracle", "translated"}
+        set(sc.variants) <= {"affinity", "ttft", "oracle", "translated", "translated@policy=ttft"}
         for sc in bench_agents.SCENARIOS.values()
     )
+
+
+def test_translated_engines_are_configured_without_the_scenario_s_shape() -> None:
+    kept = bench_agents.SCENARIOS["claude-code-billing-kept"]
+    assert bench_agents.backend_keys(kept, translated=False) == (("dialect", "llamacpp"),)
+    assert dict(bench_agents.backend_keys(kept, translated=True)) == {
+        "dialect": "llamacpp",  # whose own list has messages: native_shapes overrides it
+        "native_shapes": ["chat", "completions", "responses"],
+    }
+    codex = dict(bench_agents.backend_keys(bench_agents.SCENARIOS["codex"], translated=True))
+    assert codex == {"native_shapes": ["chat", "completions", "messages"]}
