@@ -3,7 +3,9 @@
 One module, two hooks (gateway/phases.py):
 
 - ``prepare`` (a ``PrepareStep``, the first one): when the backend's dialect does not serve the request's
-  shape natively (backends/dialects.py ``native_shapes``), the attempt's ``Draft`` becomes the chat request
+  shape natively (backends/dialects.py ``native_shapes``), or the request holds images and the backend is
+  ``vision: embeds`` (neither vLLM's Messages nor its Responses route takes image embeddings; its chat route
+  does: gateway/vision.py ``as_chat``), the attempt's ``Draft`` becomes the chat request
   (gateway/translate/), the attempt goes to ``/v1/chat/completions`` and is marked ``translated``. Every
   later step sees a chat body: the thinking budget is spelled for chat (so this step runs before the budget
   step), images are chat ``image_url`` parts, the engine priority is a chat field. A retry on an engine that
@@ -33,6 +35,7 @@ from gateway.shapes.base import ErrorShape, ThinkingUse
 from gateway.sse import Event, Overflow, Piece
 from gateway.translate import messages, responses
 from gateway.translate.common import Untranslated
+from gateway.vision import as_chat
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -96,7 +99,7 @@ class Translation:
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         translator = self.translators.get(ctx.shape.name)
-        if translator is None or self.serves(backend, translator.shape):
+        if translator is None or (self.serves(backend, translator.shape) and not as_chat(ctx, backend)):
             return
         source = draft.read()
         assert source is not None and ctx.attempt is not None  # only owned bodies reach the prepare steps
