@@ -32,6 +32,8 @@ from gateway.translate.common import (
     ChatUsage,
     Treatment,
     Untranslated,
+    chunk_parts,
+    copy_fields,
     first_choice,
     list_at,
     object_at,
@@ -39,9 +41,10 @@ from gateway.translate.common import (
     refuse,
     refuse_fields,
     sse,
+    stream_fields,
     string_at,
     text_of,
-    tool_fragments,
+    tools_of,
 )
 
 #: Fields a chat engine cannot be asked for faithfully: refused with a 400 naming them, or dropped.
@@ -107,17 +110,9 @@ def request(body: dict[str, Any]) -> dict[str, Any]:
     else:
         _items(list_at(source, "input"), messages)
     out["messages"] = messages
-    for name, chat_name in _COPIED.items():
-        if body.get(name) is not None:
-            out[chat_name] = body[name]
-    if body.get("stream") is True:
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    tools = body.get("tools")
-    if tools:
-        out["tools"] = [
-            _tool(object_at(t, f"tools[{i}]"), f"tools[{i}]") for i, t in enumerate(list_at(tools, "tools"))
-        ]
+    copy_fields(body, out, _COPIED)
+    stream_fields(body, out)
+    tools_of(body, out, _tool)
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     reasoning = body.get("reasoning")
@@ -363,27 +358,18 @@ class ResponsesStream:
         self.done = False
 
     def chunk(self, doc: dict[str, Any]) -> list[bytes]:
-        if "error" in doc:
-            error = doc["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamError(f"the engine failed mid-stream: {message}")
+        parts = chunk_parts(doc)
         out = [] if self._resp is not None else self._start(doc)
-        if (found := ChatUsage.of(doc.get("usage"))) is not None:
-            self._usage = found
-        choice = first_choice(doc)
-        if choice is None:
-            return out
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            if (reasoning := reasoning_of(delta)) is not None:
-                out += self._reasoning(reasoning)
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                out += self._content(text)
-            for index, call_id, name, arguments in tool_fragments(delta):
-                out += self._call(index, call_id, name, arguments)
-        if choice.get("finish_reason") is not None:
-            self._finish = choice["finish_reason"]
+        if parts.usage is not None:
+            self._usage = parts.usage
+        if parts.reasoning is not None:
+            out += self._reasoning(parts.reasoning)
+        if parts.text is not None:
+            out += self._content(parts.text)
+        for index, call_id, name, arguments in parts.tools:
+            out += self._call(index, call_id, name, arguments)
+        if parts.finish is not None:
+            self._finish = parts.finish["finish_reason"]
         return out
 
     def finish(self) -> list[bytes]:
