@@ -83,11 +83,21 @@ TRANSLATORS: Mapping[str, ChatTranslator] = {
 }  # fmt: skip
 
 
-class Translation:
-    """The ``PrepareStep`` and ``BodyFilters`` above."""
+class Stitching(Protocol):
+    """The gateway-enforced budget's stitching of two chat phases (gateway/continuation.py)."""
 
-    def __init__(self, translators: Mapping[str, ChatTranslator] = TRANSLATORS) -> None:
+    def stitch(self, ctx: RequestContext, attempt: Attempt, status: int) -> BodyFilter | None: ...
+
+
+class Translation:
+    """The ``PrepareStep`` and ``BodyFilters`` above. With ``stitching``, an attempt whose thinking budget
+    the gateway enforces has its two chat phases stitched into one chat answer first, then translated."""
+
+    def __init__(
+        self, translators: Mapping[str, ChatTranslator] = TRANSLATORS, stitching: Stitching | None = None
+    ) -> None:
         self.translators = translators
+        self.stitching = stitching
 
     @staticmethod
     def serves(backend: Backend, shape: ShapeName) -> bool:
@@ -120,9 +130,48 @@ class Translation:
         backend = attempt.backend.id
         if status >= 400:
             return None if sse else _EngineError(ctx.shape.errors, status)
-        if sse:
-            return _Stream(translator.stream(req), backend)
-        return _Whole(translator, req, backend)
+        back: BodyFilter = (
+            _Stream(translator.stream(req), backend) if sse else _Whole(translator, req, backend)
+        )
+        stitch = None if self.stitching is None else self.stitching.stitch(ctx, attempt, status)
+        return back if stitch is None else _Chained(stitch, back)
+
+
+class _Chained(BodyFilterBase):
+    """Two filters as one, ``first``'s output through ``then`` (the stitching of two chat phases, then
+    their translation); the follow-up is ``first``'s. A held part (an empty body: phase 1 waiting for
+    phase 2) is not handed on."""
+
+    rewrites = True
+    __slots__ = ("first", "holds", "then")
+
+    def __init__(self, first: BodyFilter, then: BodyFilter) -> None:
+        self.first, self.then = first, then
+        self.holds = first.holds or then.holds
+
+    def events(self, pieces: list[Piece]) -> list[Piece]:
+        pieces = self.first.events(pieces)
+        return self.then.events(pieces) if pieces else pieces
+
+    def body(self, data: bytes) -> bytes:
+        data = self.first.body(data)
+        return self.then.body(data) if data else data
+
+    def follow_up(self) -> dict[str, Any] | None:
+        return self.first.follow_up()
+
+    def continued(self) -> None:
+        self.first.continued()
+        self.then.continued()
+
+    def end(self) -> list[Piece]:
+        tail = self.first.end()
+        out = self.then.events(tail) if tail else []
+        return out + self.then.end()
+
+    def close(self) -> None:
+        self.first.close()
+        self.then.close()
 
 
 class _Whole(BodyFilterBase):
