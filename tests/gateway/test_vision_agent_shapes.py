@@ -216,3 +216,64 @@ def test_an_input_image_without_url_or_file_id_is_a_400_naming_it(box: Make) -> 
     body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}]}
     r = httpx.post(b.url + "/v1/responses", json=body, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0].image_url"
+
+
+# -- the shapes' image finders ------------------------------------------------------------------------------
+
+
+def test_the_messages_finder_sees_tool_result_images_and_names_each_source() -> None:
+    from gateway.shapes.messages import images
+
+    body = {
+        "messages": [
+            {"role": "user", "content": [URL_BLOCK]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}, B64_BLOCK]}
+                ],
+            },
+        ]
+    }
+    found = images(body)
+    assert [(p.url, p.param) for p in found] == [
+        (DOG, "messages[0].content[0].source"),
+        (CAT, "messages[1].content[0].content[1].source"),
+    ]
+
+
+def test_the_responses_finder_sees_input_images_by_url_data_url_and_file_id() -> None:
+    from gateway.shapes.responses import images
+
+    body = {
+        "input": [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": DOG}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": CAT}]},
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+        ]
+    }
+    assert [(p.url, p.param) for p in images(body)] == [
+        (DOG, "input[0].content[1].image_url"),
+        (CAT, "input[1].content[0].image_url"),
+        ("file_id:file_1", "input[2].content[0].image_url"),
+    ]
+    assert images({"input": "just text"}) == ()
+
+
+def test_a_lone_surrogate_in_a_later_turns_input_image_is_a_400_naming_it(box: Make) -> None:
+    b = box({"e": "embeds"})
+    later = [{"type": "input_image", "image_url": "https://x.example/\\ud800.png"}]
+    raw = (
+        '{"model": "m", "input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, '
+        '{"role": "user", "content": ' + json.dumps(later).replace("\\\\ud800", "\\ud800") + "}]}"
+    )
+    r = httpx.post(
+        b.url + "/v1/responses", content=raw, headers={"content-type": "application/json"}, timeout=10
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[2].content[0].image_url"
+    assert b.engines["e"].raw == [] and b.sidecar.calls == []
