@@ -157,10 +157,12 @@ class Gateway:
         own events, before reasoning fields are rewritten and phases stitched)."""
         guard = settings.guard
         volatile = rules_for(settings.routing.volatile_prefixes)
+        continuation = Continuation(settings.thinking, self.metrics)
         return (
             # First: its prepare step makes a translated attempt's draft chat before any other step shapes
-            # it, and its body filter gives every later filter and the observers the client's shape.
-            Translation(),
+            # it, and its body filter gives every later filter and the observers the client's shape (an
+            # enforced budget's two chat phases stitched before that, by ``continuation``).
+            Translation(stitching=continuation),
             self.metrics,  # tokens, TTFT, requests by model and route reason
             *([self.quotas] if self.quotas is not None else []),  # first: over quota, nothing waits or wakes
             ResponseOwnership(self.store, self.registry),  # before the waiting room: an unknown id waits not
@@ -173,7 +175,7 @@ class Gateway:
             *([self.feedback] if self.feedback is not None else []),
             *([OutputGuard(guard, self.metrics)] if guard.enabled else []),
             ReasoningRelay(settings.thinking.reasoning_fields, self.budgets.thinks),
-            Continuation(settings.thinking, self.metrics),
+            continuation,
             *extra,
         )
 

@@ -138,16 +138,11 @@ class BudgetStep:
             return
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
-        if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
-            # The two phases stitch chat answers and continue the client's chat body; a translated answer
-            # reaches the filters in the client's shape. Refused, never sent uncapped.
-            raise BadRequest(
-                f"backend {backend.id} would need the gateway to cap thinking, and a request translated to "
-                f"chat for it ({ctx.attempt.translated}) cannot be stitched; send it to /v1/chat/completions "
-                "or to an engine that caps thinking itself",
-                param=BUDGET_FIELD,
-            )
         shaped = draft.edit()
+        if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
+            # Phase 2 continues this chat body, not the client's (gateway/translation.py stitches the two
+            # chat phases before translating the answer back).
+            draft.phase1_source = dict(shaped)
         DIALECTS[dialect].budget.shape(shaped, thinking, native=not enforced)
         if enforced:
             shape_phase1(shaped, thinking)

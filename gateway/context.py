@@ -119,13 +119,16 @@ class Draft:
     the original, which the next attempt reuses.
     """
 
-    __slots__ = ("_copy", "_original", "enforced")
+    __slots__ = ("_copy", "_original", "enforced", "phase1_source")
 
     def __init__(self, original: dict[str, Any] | None) -> None:
         self._original = original
         self._copy: dict[str, Any] | None = None
         #: The thinking budget this attempt's engine cannot cap, so the gateway does (gateway/continuation).
         self.enforced: Thinking | None = None
+        #: With ``enforced`` on an attempt translated to chat: its chat body before phase 1 was shaped, which
+        #: phase 2 continues (the client's own body is not chat). None: phase 2 continues the client's body.
+        self.phase1_source: dict[str, Any] | None = None
 
     def read(self) -> dict[str, Any] | None:
         return self._original if self._copy is None else self._copy

@@ -90,10 +90,18 @@ class Continuation:
         self.metrics = metrics
 
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter | None:
+        if attempt.translated is not None:
+            return None  # stitched as chat inside the translation's filter (``stitch``)
+        return self.stitch(ctx, attempt, status)
+
+    def stitch(self, ctx: RequestContext, attempt: Attempt, status: int) -> BodyFilter | None:
+        """The stitching filter of an enforced attempt, over chat answers: the client's chat body, or a
+        translated attempt's own chat body (``Draft.phase1_source``), is what phase 2 continues."""
         thinking = attempt.draft.enforced
-        if thinking is None or status != 200 or ctx.body is None:
+        original = attempt.draft.phase1_source or ctx.body
+        if thinking is None or status != 200 or original is None:
             return None
-        return _Stitch(self, ctx.body, thinking, attempt, stream=ctx.body.get("stream") is True)
+        return _Stitch(self, original, thinking, attempt, stream=original.get("stream") is True)
 
     def phase2_body(
         self, original: dict[str, Any], phase: _Phase, *, stream: bool, dialect: Dialect = Dialect.OPENAI

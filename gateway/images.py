@@ -9,12 +9,16 @@ from gateway.sidecar import Encoding
 
 @dataclass(frozen=True, slots=True)
 class ImagePart:
-    message: int  # index in ``messages``
+    message: int  # index in ``messages`` (Responses: in ``input``)
     part: int  # index in that message's ``content`` list
     url: str  # http(s) URL or data: URI, as the client sent it
+    #: The field the client must fix when the sidecar refuses the image (None: chat's ``image_url``).
+    at: str | None = None
 
     @property
     def param(self) -> str:
+        if self.at is not None:
+            return self.at
         return f"messages[{self.message}].content[{self.part}].image_url"
 
 

@@ -3,7 +3,9 @@
 One module, two hooks (gateway/phases.py):
 
 - ``prepare`` (a ``PrepareStep``, the first one): when the backend's dialect does not serve the request's
-  shape natively (backends/dialects.py ``native_shapes``), the attempt's ``Draft`` becomes the chat request
+  shape natively (backends/dialects.py ``native_shapes``), or the request holds images and the backend is
+  ``vision: embeds`` (neither vLLM's Messages nor its Responses route takes image embeddings; its chat route
+  does: gateway/vision.py ``as_chat``), the attempt's ``Draft`` becomes the chat request
   (gateway/translate/), the attempt goes to ``/v1/chat/completions`` and is marked ``translated``. Every
   later step sees a chat body: the thinking budget is spelled for chat (so this step runs before the budget
   step), images are chat ``image_url`` parts, the engine priority is a chat field. A retry on an engine that
@@ -33,6 +35,7 @@ from gateway.shapes.base import ErrorShape, ThinkingUse
 from gateway.sse import Event, Overflow, Piece
 from gateway.translate import messages, responses
 from gateway.translate.common import Untranslated
+from gateway.vision import as_chat
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -80,11 +83,21 @@ TRANSLATORS: Mapping[str, ChatTranslator] = {
 }  # fmt: skip
 
 
-class Translation:
-    """The ``PrepareStep`` and ``BodyFilters`` above."""
+class Stitching(Protocol):
+    """The gateway-enforced budget's stitching of two chat phases (gateway/continuation.py)."""
 
-    def __init__(self, translators: Mapping[str, ChatTranslator] = TRANSLATORS) -> None:
+    def stitch(self, ctx: RequestContext, attempt: Attempt, status: int) -> BodyFilter | None: ...
+
+
+class Translation:
+    """The ``PrepareStep`` and ``BodyFilters`` above. With ``stitching``, an attempt whose thinking budget
+    the gateway enforces has its two chat phases stitched into one chat answer first, then translated."""
+
+    def __init__(
+        self, translators: Mapping[str, ChatTranslator] = TRANSLATORS, stitching: Stitching | None = None
+    ) -> None:
         self.translators = translators
+        self.stitching = stitching
 
     @staticmethod
     def serves(backend: Backend, shape: ShapeName) -> bool:
@@ -96,7 +109,7 @@ class Translation:
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         translator = self.translators.get(ctx.shape.name)
-        if translator is None or self.serves(backend, translator.shape):
+        if translator is None or (self.serves(backend, translator.shape) and not as_chat(ctx, backend)):
             return
         source = draft.read()
         assert source is not None and ctx.attempt is not None  # only owned bodies reach the prepare steps
@@ -117,9 +130,48 @@ class Translation:
         backend = attempt.backend.id
         if status >= 400:
             return None if sse else _EngineError(ctx.shape.errors, status)
-        if sse:
-            return _Stream(translator.stream(req), backend)
-        return _Whole(translator, req, backend)
+        back: BodyFilter = (
+            _Stream(translator.stream(req), backend) if sse else _Whole(translator, req, backend)
+        )
+        stitch = None if self.stitching is None else self.stitching.stitch(ctx, attempt, status)
+        return back if stitch is None else _Chained(stitch, back)
+
+
+class _Chained(BodyFilterBase):
+    """Two filters as one, ``first``'s output through ``then`` (the stitching of two chat phases, then
+    their translation); the follow-up is ``first``'s. A held part (an empty body: phase 1 waiting for
+    phase 2) is not handed on."""
+
+    rewrites = True
+    __slots__ = ("first", "holds", "then")
+
+    def __init__(self, first: BodyFilter, then: BodyFilter) -> None:
+        self.first, self.then = first, then
+        self.holds = first.holds or then.holds
+
+    def events(self, pieces: list[Piece]) -> list[Piece]:
+        pieces = self.first.events(pieces)
+        return self.then.events(pieces) if pieces else pieces
+
+    def body(self, data: bytes) -> bytes:
+        data = self.first.body(data)
+        return self.then.body(data) if data else data
+
+    def follow_up(self) -> dict[str, Any] | None:
+        return self.first.follow_up()
+
+    def continued(self) -> None:
+        self.first.continued()
+        self.then.continued()
+
+    def end(self) -> list[Piece]:
+        tail = self.first.end()
+        out = self.then.events(tail) if tail else []
+        return out + self.then.end()
+
+    def close(self) -> None:
+        self.first.close()
+        self.then.close()
 
 
 class _Whole(BodyFilterBase):

@@ -1,6 +1,6 @@
 """Images by backend ``vision`` mode: where an image request may go, and what it looks like when it arrives.
 
-- ``VisionRouting`` (a ``RouteFilter``, before routing): a request with ``image_url`` parts never goes to a
+- ``VisionRouting`` (a ``RouteFilter``, before routing): a request with image parts never goes to a
   ``vision: none`` backend; if every backend of the model is ``none`` it is a 400. While the sidecar is not
   available, ``embeds`` backends are left out too when a ``native`` backend serves the model (otherwise the
   ``embeds`` attempt answers the sidecar's 503). Text-only requests are not looked at twice.
@@ -9,6 +9,11 @@
   sidecar: the unique images of the request encoded in parallel, each once per request (retries included).
   ``native`` backends get the parts as the client sent them, and a request without images is never touched,
   so its bytes go upstream as the client sent them.
+
+Messages ``image`` blocks and Responses ``input_image`` parts are found by their shape (``ApiShape.images``);
+neither shape's native vLLM route takes image embeddings, so such a request on an ``embeds`` backend is
+translated to chat for that attempt (``as_chat``, gateway/translation.py) and its chat ``image_url`` parts
+are replaced like a chat request's; a sidecar refusal still names the client's own field.
 
 The conversation key was computed by the endpoint on the original body (routing/keys.py hashes a ``data:``
 image by content, a URL by the URL), so turn N with the same images keys like turn 1 whichever way each
@@ -91,9 +96,8 @@ class VisionRouting:
                 param="messages",
             )
         out = by_mode[VisionMode.NONE]
-        if not ctx.shape.embeds:
-            # Its native route takes no image embeddings (vLLM's /v1/messages has no such block). Seam: an
-            # attempt translated to chat (gateway/translate) could take them; until then they are left out.
+        if not ctx.shape.embeds and not ctx.shape.embeds_via_chat:
+            # Its native route takes no image embeddings, and it has no translation to chat that would.
             if not by_mode[VisionMode.NATIVE]:
                 ids = ", ".join(sorted(by_mode[VisionMode.EMBEDS]))
                 raise BadRequest(
@@ -116,8 +120,11 @@ class VisionStep:
         self.sidecar = sidecar
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
-        if backend.cfg.vision is not VisionMode.EMBEDS or not ctx.shape.vision or not ctx.shape.embeds:
-            return  # (a shape without embeds never routes here with images: ``VisionRouting``)
+        if backend.cfg.vision is not VisionMode.EMBEDS or not ctx.shape.vision:
+            return
+        translated = ctx.attempt is not None and ctx.attempt.translated is not None
+        if not ctx.shape.embeds and not translated:
+            return  # (its images reach an embeds backend only as chat: ``VisionRouting``, ``as_chat``)
         memo = memo_of(ctx)
         if not memo.images:
             return
@@ -126,9 +133,12 @@ class VisionStep:
             raise UpstreamError(
                 f"backend {backend.id}: dialect {backend.cfg.dialect} takes no image embeddings"
             )
-        await self._encode(memo)
+        await self._encode(memo)  # the client's parts: a refusal names the client's field
         shaped = draft.edit()
-        shaped["messages"] = _with_embeds(shaped["messages"], memo, fmt)
+        # A translated draft is chat: its image parts are found where the translation put them (the same
+        # URLs, a base64 source as its data: URL), so the client shape's encodings serve it.
+        at = find_images(shaped) if translated else memo.images
+        shaped["messages"] = _with_embeds(shaped["messages"], at, memo.encodings, fmt)
 
     async def _encode(self, memo: VisionMemo) -> None:
         """Encode the request's images not encoded yet, in parallel, each unique image once."""
@@ -150,6 +160,14 @@ class VisionStep:
             memo.encodings[url] = task.result()
 
 
+def as_chat(ctx: RequestContext, backend: Backend) -> bool:
+    """This attempt must go as chat: its shape's native route takes no image embeddings, the request holds
+    images and the backend is ``vision: embeds`` (gateway/translation.py translates it)."""
+    if backend.cfg.vision is not VisionMode.EMBEDS or not ctx.shape.embeds_via_chat or ctx.body is None:
+        return False
+    return bool(memo_of(ctx).images)
+
+
 def no_embeds(cfg: BackendConfig) -> str | None:
     """Why ``cfg`` cannot be ``vision: embeds`` (its engine takes no ``image_embeds`` parts), or None."""
     if cfg.vision is not VisionMode.EMBEDS or DIALECTS[cfg.dialect].embeds is not None:
@@ -162,15 +180,19 @@ async def _encode_one(sidecar: SidecarClient, image: ImagePart) -> Encoding:
         return await sidecar.encode(image.url)
     except ImageRejected as exc:
         exc.param = image.param  # which part of the request the client must fix
+        if image.at is not None:  # another shape's part: Anthropic's error object has no param to carry it
+            exc.message = f"{image.param}: {exc.message}"
         raise
 
 
-def _with_embeds(messages: list[Any], memo: VisionMemo, fmt: EmbedsFormat) -> list[Any]:
+def _with_embeds(
+    messages: list[Any], images: tuple[ImagePart, ...], encodings: dict[str, Encoding], fmt: EmbedsFormat
+) -> list[Any]:
     """A new messages list: the messages holding images rebuilt, the others shared with the original."""
     out = list(messages)
-    for index in _distinct(image.message for image in memo.images):
+    for index in _distinct(image.message for image in images):
         msg = messages[index]
-        content = [_embeds_part(memo.encodings, part, fmt) for part in msg["content"]]
+        content = [_embeds_part(encodings, part, fmt) for part in msg["content"]]
         out[index] = {**msg, "content": content}
     return out
 

@@ -310,6 +310,10 @@ def translation() -> str:
         "tool choice, sampling fields, token limits, reasoning (and thinking controls, as the gateway's "
         "budget fields), structured output, and usage with cached tokens. A refused field is a 400 in the"
         " route's own error shape whose `param` names it; a dropped one is left out of the chat request.\n",
+        "A request holding images (`image` blocks, `input_image` parts) is also translated for a backend "
+        "with `vision: embeds`, whatever its dialect: neither vLLM's Messages route nor its Responses route"
+        " takes image embeddings, its chat route does, so the vision sidecar's `image_embeds` parts go "
+        "there. The same fields are refused (a chained `previous_response_id` included).\n",
     ]
     for name, translator in TRANSLATORS.items():
         lines += [f"## {_TRANSLATED.get(name, name)}\n", "| field | treatment | why |", "|---|---|---|"]

@@ -136,3 +136,7 @@ class ApiShape:
     images: Images | None = None  # None: ``image_url`` parts in ``messages`` (gateway/vision.py)
     #: Its native route takes ``image_embeds`` parts, so ``vision: embeds`` backends can serve its images.
     embeds: bool = True
+    #: Without ``embeds``: an attempt holding images on a ``vision: embeds`` backend is translated to chat
+    #: (gateway/translation.py), whose ``image_embeds`` parts the sidecar fills. False: such backends are
+    #: left out of its image requests.
+    embeds_via_chat: bool = False

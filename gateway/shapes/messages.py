@@ -195,16 +195,31 @@ def spell_thinking(body: dict[str, Any], thinking: Thinking) -> tuple[str, Any] 
 
 
 def images(body: dict[str, Any]) -> tuple[ImagePart, ...]:
-    """The ``image`` blocks of the messages, as URLs (inline data as a ``data:`` URI), in order."""
+    """The ``image`` blocks of the messages and of their ``tool_result`` blocks, as URLs (inline data as a
+    ``data:`` URI), in order."""
     found: list[ImagePart] = []
     for i, msg in enumerate(body.get("messages") or ()):
         content = msg.get("content") if isinstance(msg, dict) else None
         if not isinstance(content, list):
             continue
         for j, block in enumerate(content):
-            if isinstance(block, dict) and block.get("type") == "image":
-                found.append(ImagePart(i, j, _source_url(block.get("source"), f"messages[{i}].content[{j}]")))
+            if not isinstance(block, dict):
+                continue
+            at = f"messages[{i}].content[{j}]"
+            if block.get("type") == "image":
+                found.append(ImagePart(i, j, _source_url(block.get("source"), at), f"{at}.source"))
+            elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+                found += _result_images(block["content"], i, j, at)
     return tuple(found)
+
+
+def _result_images(content: list[Any], i: int, j: int, at: str) -> list[ImagePart]:
+    found: list[ImagePart] = []
+    for k, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "image":
+            where = f"{at}.content[{k}]"
+            found.append(ImagePart(i, j, _source_url(part.get("source"), where), f"{where}.source"))
+    return found
 
 
 def _source_url(source: Any, where: str) -> str:
@@ -290,7 +305,10 @@ MESSAGES = ApiShape(
     thinking_ask=thinking_ask,
     thinking_spell=spell_thinking,
     images=images,
-    embeds=False,  # vLLM's Messages route has no image_embeds block: embeds backends are left out
+    # vLLM's Messages route has no image_embeds block (its content blocks are a closed list): an attempt
+    # with images on an embeds backend goes as chat (gateway/translation.py), which takes them.
+    embeds=False,
+    embeds_via_chat=True,
 )
 
 #: Routed where its conversation is pinned, without pinning; its answer (``{"input_tokens": N}``) has no

@@ -18,6 +18,7 @@ from typing import Any
 
 from config.settings import Effort, RoutingConfig
 from gateway.errors import BadRequest, GatewayError
+from gateway.images import ImagePart
 from gateway.inbound import check_common, check_content, check_text, require_model
 from gateway.observe import ReplyText, Usage, last_object, usage_counts
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse, openai_body
@@ -167,6 +168,36 @@ def _chat_content(content: Any) -> Any:
     ]
 
 
+def images(body: dict[str, Any]) -> tuple[ImagePart, ...]:
+    """The ``input_image`` parts of the input items, in order: their ``image_url`` (an http(s) URL or a
+    ``data:`` URL), or ``file_id:<id>`` for an image by file id (only a ``vision: native`` engine can read
+    that; the translation to chat refuses it with a 400 naming the part)."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return ()
+    found: list[ImagePart] = []
+    for i, item in enumerate(items):
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                at = f"input[{i}].content[{j}]"
+                found.append(ImagePart(i, j, _image_url(part, at), f"{at}.image_url"))
+    return tuple(found)
+
+
+def _image_url(part: dict[str, Any], at: str) -> str:
+    url, file_id = part.get("image_url"), part.get("file_id")
+    if isinstance(url, str) and url:
+        check_text(url, f"{at}.image_url")
+        return url
+    if isinstance(file_id, str) and file_id:
+        check_text(file_id, f"{at}.file_id")
+        return f"file_id:{file_id}"
+    raise BadRequest(f"'{at}' must have a non-empty string 'image_url' or 'file_id'", param=f"{at}.image_url")
+
+
 def reply_text(doc: Any) -> str | None:
     """A whole response's reply: its first message item's output text, else its first function call's
     arguments."""
@@ -214,4 +245,10 @@ RESPONSES = ApiShape(
     effort_path=("reasoning", "effort"),
     conversation=conversation,
     reply=ReplyText(marker=b'"response.output_text.delta"', key=b'"delta"', body=reply_text),
+    vision=True,
+    images=images,
+    # vLLM's Responses input parts are OpenAI's closed list (input_text, input_image, input_file): an
+    # attempt with images on an embeds backend goes as chat (gateway/translation.py), which takes them.
+    embeds=False,
+    embeds_via_chat=True,
 )

@@ -1,14 +1,17 @@
-"""What the chat translators share: the table of fields they do not translate, SSE encoding, chat usage and
-tool-call fragments. Pure: no I/O, nothing from the request path but the error hierarchy."""
+"""What the chat translators share: the table of fields they do not translate, the chat request's common
+fields (stream, tools), SSE encoding, chat usage, and one streamed chat chunk read into its parts (usage,
+reasoning, text, tool-call fragments, finish). Pure: no I/O, nothing from the request path but the error
+hierarchy."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, UpstreamError
 
 
 class Treatment(StrEnum):
@@ -159,7 +162,7 @@ class ToolCallParts:
 
 def tool_fragments(delta: dict[str, Any]) -> list[tuple[int, str | None, str | None, str]]:
     """(index, id, name, arguments fragment) of each tool-call fragment of a chat delta."""
-    out: list[tuple[int, str | None, str | None, str]] = []
+    out: list[Fragment] = []
     calls = delta.get("tool_calls")
     if not isinstance(calls, list):
         return out
@@ -183,3 +186,63 @@ def first_choice(doc: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
     return None
+
+
+# -- the chat request's common fields ---------------------------------------------------------------------
+
+
+def stream_fields(body: dict[str, Any], out: dict[str, Any]) -> None:
+    """A streamed request streams as chat with its usage asked for (chat reports it only when asked)."""
+    if body.get("stream") is True:
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+
+
+def tools_of(
+    body: dict[str, Any], out: dict[str, Any], one: Callable[[dict[str, Any], str], dict[str, Any]]
+) -> None:
+    """The body's ``tools``, each through ``one`` (the client shape's tool -> a chat tool, or a 400)."""
+    tools = body.get("tools")
+    if tools:
+        out["tools"] = [
+            one(object_at(t, f"tools[{i}]"), f"tools[{i}]") for i, t in enumerate(list_at(tools, "tools"))
+        ]
+
+
+# -- one streamed chat chunk ------------------------------------------------------------------------------
+
+
+Fragment = tuple[int, str | None, str | None, str]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkParts:
+    """What one chat chunk says, in the order a translator emits it."""
+
+    usage: ChatUsage | None
+    reasoning: str | None
+    text: str | None  # None or non-empty
+    tools: list[Fragment]
+    finish: dict[str, Any] | None  # the choice, when it carries a ``finish_reason``
+
+
+def chunk_parts(doc: dict[str, Any]) -> ChunkParts:
+    """One chat chunk's parts; an engine's error event mid-stream is an ``UpstreamError``."""
+    if "error" in doc:
+        error = doc["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        raise UpstreamError(f"the engine failed mid-stream: {message}")
+    used = ChatUsage.of(doc.get("usage"))
+    choice = first_choice(doc)
+    delta = choice.get("delta") if choice is not None else None
+    if not isinstance(delta, dict):
+        delta = {}
+    text = delta.get("content")
+    finished = choice is not None and choice.get("finish_reason") is not None
+    return ChunkParts(
+        used,
+        reasoning_of(delta) if delta else None,
+        text if isinstance(text, str) and text else None,
+        tool_fragments(delta) if delta else [],
+        choice if finished else None,
+    )

@@ -34,6 +34,7 @@ from gateway.translate.common import (
     ChatUsage,
     Treatment,
     Untranslated,
+    chunk_parts,
     copy_fields,
     first_choice,
     list_at,
@@ -43,9 +44,10 @@ from gateway.translate.common import (
     refuse,
     refuse_fields,
     sse,
+    stream_fields,
     string_at,
     text_of,
-    tool_fragments,
+    tools_of,
 )
 
 #: Fields a chat engine cannot be asked for faithfully: refused with a 400 naming them, or dropped.
@@ -99,14 +101,8 @@ def request(body: dict[str, Any]) -> dict[str, Any]:
         messages.extend(_message(object_at(msg, f"messages[{i}]"), f"messages[{i}]"))
     out["messages"] = messages
     copy_fields(body, out, _SAMPLING)
-    if body.get("stream") is True:
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    tools = body.get("tools")
-    if tools:
-        out["tools"] = [
-            _tool(object_at(t, f"tools[{i}]"), f"tools[{i}]") for i, t in enumerate(list_at(tools, "tools"))
-        ]
+    stream_fields(body, out)
+    tools_of(body, out, _tool)
     _tool_choice(body.get("tool_choice"), out)
     _thinking(body, out)
     return out
@@ -361,29 +357,20 @@ class MessagesStream:
         self.done = False
 
     def chunk(self, doc: dict[str, Any]) -> list[bytes]:
-        if "error" in doc:
-            error = doc["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamError(f"the engine failed mid-stream: {message}")
+        parts = chunk_parts(doc)
         out: list[bytes] = [] if self._started else [self._start(doc)]
-        if (found := ChatUsage.of(doc.get("usage"))) is not None:
-            self._usage = found
-        choice = first_choice(doc)
-        if choice is None:
-            return out
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            if (reasoning := reasoning_of(delta)) is not None:
-                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                out += self._open("text", {"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": text}))
-            for index, call_id, name, arguments in tool_fragments(delta):
-                out += self._tool_fragment(index, call_id, name, arguments)
-        if choice.get("finish_reason") is not None:
-            self._finish = stop_of(choice)
+        if parts.usage is not None:
+            self._usage = parts.usage
+        if parts.reasoning is not None:
+            out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": parts.reasoning}))
+        if parts.text is not None:
+            out += self._open("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": parts.text}))
+        for index, call_id, name, arguments in parts.tools:
+            out += self._tool_fragment(index, call_id, name, arguments)
+        if parts.finish is not None:
+            self._finish = stop_of(parts.finish)
         return out
 
     def finish(self) -> list[bytes]:

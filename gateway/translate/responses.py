@@ -28,10 +28,13 @@ import time
 from typing import Any
 
 from gateway.errors import BadRequest, UpstreamError
+from gateway.translate import custom_tools
 from gateway.translate.common import (
     ChatUsage,
     Treatment,
     Untranslated,
+    chunk_parts,
+    copy_fields,
     first_choice,
     list_at,
     object_at,
@@ -39,9 +42,10 @@ from gateway.translate.common import (
     refuse,
     refuse_fields,
     sse,
+    stream_fields,
     string_at,
     text_of,
-    tool_fragments,
+    tools_of,
 )
 
 #: Fields a chat engine cannot be asked for faithfully: refused with a 400 naming them, or dropped.
@@ -54,15 +58,16 @@ UNTRANSLATED: tuple[Untranslated, ...] = (
     Untranslated("background", Treatment.REFUSED, "background responses need a store"),
     Untranslated("prompt", Treatment.REFUSED, "prompt templates live on OpenAI's platform"),
     Untranslated("tools[].type", Treatment.REFUSED, "built-in tools (web_search, file_search, computer use, "
-                 "code_interpreter, mcp, image_generation, local_shell, custom) have no chat equivalent; "
-                 "function tools are translated"),
+                 "code_interpreter, mcp, image_generation, local_shell) have no chat equivalent; "
+                 "function tools and free-form custom tools are translated"),
     Untranslated("input[].type", Treatment.REFUSED, "item_reference and built-in tool call items need a "
-                 "store or a built-in tool; message, function_call, function_call_output and reasoning "
-                 "items are translated"),
+                 "store or a built-in tool; message, function_call, function_call_output, "
+                 "custom_tool_call, custom_tool_call_output and reasoning items are translated"),
     Untranslated("input[].content[].type", Treatment.REFUSED, "input_file parts and images by file_id have "
                  "no chat part"),
     Untranslated("tool_choice.type", Treatment.REFUSED, "allowed_tools and built-in tool choices have no "
                  "chat equivalent"),
+    custom_tools.GRAMMAR,
     Untranslated("include", Treatment.DROPPED, "extra output (encrypted reasoning, logprobs of built-in "
                  "tools) is not produced"),
     Untranslated("reasoning.summary", Treatment.DROPPED, "the engine's reasoning text is sent whole, as "
@@ -107,17 +112,9 @@ def request(body: dict[str, Any]) -> dict[str, Any]:
     else:
         _items(list_at(source, "input"), messages)
     out["messages"] = messages
-    for name, chat_name in _COPIED.items():
-        if body.get(name) is not None:
-            out[chat_name] = body[name]
-    if body.get("stream") is True:
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    tools = body.get("tools")
-    if tools:
-        out["tools"] = [
-            _tool(object_at(t, f"tools[{i}]"), f"tools[{i}]") for i, t in enumerate(list_at(tools, "tools"))
-        ]
+    copy_fields(body, out, _COPIED)
+    stream_fields(body, out)
+    tools_of(body, out, _tool)
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     reasoning = body.get("reasoning")
@@ -143,15 +140,8 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
                 msg["reasoning_content"] = "".join(reasoning)
                 reasoning = []
             messages.append(msg)
-        elif kind == "function_call":
-            call = {
-                "id": string_at(item.get("call_id"), f"{where}.call_id"),
-                "type": "function",
-                "function": {
-                    "name": string_at(item.get("name"), f"{where}.name"),
-                    "arguments": string_at(item.get("arguments", ""), f"{where}.arguments"),
-                },
-            }
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _call(item, where)
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
@@ -160,7 +150,7 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
                 last["reasoning_content"] = "".join(reasoning)
                 reasoning = []
             last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = text_of(item.get("output"), f"{where}.output", _TEXT_PARTS)
             call_id = string_at(item.get("call_id"), f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -171,6 +161,21 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
                     reasoning.append(part["text"])
         else:
             refuse(_ITEM, f"{where}.type")
+
+
+def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function or custom tool call item as a chat tool call (a custom one's input as its shim's
+    arguments, gateway/translate/custom_tools.py)."""
+    if item.get("type") == "custom_tool_call":
+        arguments = custom_tools.encode(string_at(item.get("input", ""), f"{where}.input"))
+    else:
+        arguments = string_at(item.get("arguments", ""), f"{where}.arguments")
+    function = {"name": string_at(item.get("name"), f"{where}.name"), "arguments": arguments}
+    return {
+        "id": string_at(item.get("call_id"), f"{where}.call_id"),
+        "type": "function",
+        "function": function,
+    }
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -205,6 +210,8 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    if tool.get("type") == "custom":
+        return custom_tools.function_of(tool, where)
     if tool.get("type") != "function":
         refuse(_BUILT_IN, f"{where}.type")
     function: dict[str, Any] = {"name": string_at(tool.get("name"), f"{where}.name")}
@@ -217,7 +224,7 @@ def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
 def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         return {"type": "function", "function": {"name": string_at(choice.get("name"), "tool_choice.name")}}
     refuse(_CHOICE)
     return None  # unreachable: refuse raises
@@ -325,12 +332,20 @@ def response(doc: dict[str, Any], req: dict[str, Any], created: int | None = Non
         output.append(reasoning_item(f"rs_{rid}", reasoning))
     if isinstance(message.get("content"), str) and message["content"]:
         output.append(message_item(f"msg_{rid}", message["content"]))
+    custom = custom_tools.names(req)
     for n, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
-        call_id = call.get("id") or f"call_{n}"
-        output.append(
-            call_item(f"fc_{call_id}", call_id, function.get("name") or "", function.get("arguments") or "")
+        call_id, name, arguments = (
+            call.get("id") or f"call_{n}",
+            function.get("name") or "",
+            function.get("arguments") or "",
         )
+        if name in custom:
+            output.append(
+                custom_tools.call_item(f"ctc_{call_id}", call_id, name, custom_tools.decode(arguments))
+            )
+        else:
+            output.append(call_item(f"fc_{call_id}", call_id, name, arguments))
     resp["output"] = output
     finished(resp, choice.get("finish_reason"))
     resp["usage"] = usage(ChatUsage.of(doc.get("usage")))
@@ -346,11 +361,12 @@ class ResponsesStream:
     a different kind of output closes it (its ``...done`` events and ``output_item.done``). As for
     Messages, fragments of a tool call already closed end the stream with an error."""
 
-    __slots__ = ("_created", "_finish", "_item", "_req", "_resp", "_seq", "_stopped", "_text", "_tool",
-                 "_usage", "done")  # fmt: skip
+    __slots__ = ("_created", "_custom", "_finish", "_item", "_req", "_resp", "_seq", "_stopped", "_text",
+                 "_tool", "_usage", "done")  # fmt: skip
 
     def __init__(self, req: dict[str, Any], created: int | None = None) -> None:
         self._req = req
+        self._custom = custom_tools.names(req)
         self._created = int(time.time()) if created is None else created
         self._resp: dict[str, Any] | None = None
         self._seq = 0
@@ -363,27 +379,18 @@ class ResponsesStream:
         self.done = False
 
     def chunk(self, doc: dict[str, Any]) -> list[bytes]:
-        if "error" in doc:
-            error = doc["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamError(f"the engine failed mid-stream: {message}")
+        parts = chunk_parts(doc)
         out = [] if self._resp is not None else self._start(doc)
-        if (found := ChatUsage.of(doc.get("usage"))) is not None:
-            self._usage = found
-        choice = first_choice(doc)
-        if choice is None:
-            return out
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            if (reasoning := reasoning_of(delta)) is not None:
-                out += self._reasoning(reasoning)
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                out += self._content(text)
-            for index, call_id, name, arguments in tool_fragments(delta):
-                out += self._call(index, call_id, name, arguments)
-        if choice.get("finish_reason") is not None:
-            self._finish = choice["finish_reason"]
+        if parts.usage is not None:
+            self._usage = parts.usage
+        if parts.reasoning is not None:
+            out += self._reasoning(parts.reasoning)
+        if parts.text is not None:
+            out += self._content(parts.text)
+        for index, call_id, name, arguments in parts.tools:
+            out += self._call(index, call_id, name, arguments)
+        if parts.finish is not None:
+            self._finish = parts.finish["finish_reason"]
         return out
 
     def finish(self) -> list[bytes]:
@@ -472,9 +479,14 @@ class ResponsesStream:
                     "the engine interleaved parallel tool calls; they cannot be streamed as items"
                 )
             cid = call_id or f"call_{index}"
-            out += self._open(call_item(f"fc_{cid}", cid, name or "", "", "in_progress"))
+            if name is not None and name in self._custom:
+                out += self._open(custom_tools.call_item(f"ctc_{cid}", cid, name, "", "in_progress"))
+            else:
+                out += self._open(call_item(f"fc_{cid}", cid, name or "", "", "in_progress"))
             self._tool = index
-        if arguments:
+        if arguments and self._item is not None and self._item["type"] == "custom_tool_call":
+            self._text.append(arguments)  # the shim's JSON: its decoded input is sent whole at the close
+        elif arguments:
             self._text.append(arguments)
             out.append(
                 self._event("response.function_call_arguments.delta", {**self._at, "delta": arguments})
@@ -514,13 +526,18 @@ class ResponsesStream:
                     "response.content_part.done", {**at, "content_index": 0, "part": output_text(text)}
                 )
             )
+        elif item["type"] == "custom_tool_call":
+            given = custom_tools.decode(text)
+            done = custom_tools.call_item(item["id"], item["call_id"], item["name"], given)
+            out.append(self._event("response.custom_tool_call_input.delta", {**at, "delta": given}))
+            out.append(self._event("response.custom_tool_call_input.done", {**at, "input": given}))
         else:
             done = call_item(item["id"], item["call_id"], item["name"], text)
             args = {**at, "arguments": text, "name": item["name"]}
             out.append(self._event("response.function_call_arguments.done", args))
-            if self._tool is not None:
-                self._stopped.add(self._tool)
-                self._tool = None
+        if item["type"] in ("function_call", "custom_tool_call") and self._tool is not None:
+            self._stopped.add(self._tool)
+            self._tool = None
         out.append(
             self._event("response.output_item.done", {"output_index": at["output_index"], "item": done})
         )

@@ -414,15 +414,18 @@ def test_image_blocks_never_go_to_text_only_backends() -> None:
     assert text_only.requests == [] and len(seeing.requests) == 3
 
 
-def test_embeds_only_backends_refuse_image_blocks_with_a_clear_400() -> None:
+def test_image_blocks_for_embeds_backends_with_the_sidecar_down_are_an_anthropic_503() -> None:
+    """Image blocks reach an embeds backend as chat through the sidecar (tests/gateway/
+    test_vision_agent_shapes.py); with no sidecar to encode them the answer is Anthropic's overloaded
+    error, never the blocks sent unencoded, and text goes there as ever."""
     engine = AnthropicEngine("e")
-    sidecar = {"url": "http://127.0.0.1:9"}  # never asked: the route cannot carry embeddings
+    sidecar = {"url": "http://127.0.0.1:9"}  # nothing listens: the sidecar is down
     with gateway([engine], {"vision": "embeds"}, sidecar=sidecar) as (url, _gw):
         body = turn1()
         body["messages"] = [{"role": "user", "content": [IMAGE]}]
-        message = anthropic_error(post(url, body), 400, "invalid_request_error")
-        assert "image embeddings" in message and "/v1/chat/completions" in message
-        assert post(url, turn1()).status_code == 200  # text goes there as ever
+        message = anthropic_error(post(url, body), 503, "overloaded_error")
+        assert "vision sidecar" in message
+        assert post(url, turn1()).status_code == 200
     assert len(engine.requests) == 1
 
 

@@ -167,8 +167,17 @@ def test_tool_choice_and_json_object() -> None:
         ({"prompt": {"id": "p"}}, "prompt"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
-            {"tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "apply_patch"}]},
-            "tools[1].type",
+            {
+                "tools": [
+                    {"type": "function", "name": "f"},
+                    {
+                        "type": "custom",
+                        "name": "g",
+                        "format": {"type": "grammar", "syntax": "lark", "definition": "x"},
+                    },
+                ]
+            },
+            "tools[1].format",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         (
