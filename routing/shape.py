@@ -25,11 +25,14 @@ def chat_shape(messages: list[Any]) -> Shape:
     for msg in messages:
         if not isinstance(msg, dict):
             continue
-        n = message_chars(msg)
+        content = msg.get("content")
+        # The common message, text without tool calls, counted here (``message_chars`` is the general case).
+        n = len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+        role = msg.get("role")
         if in_head:
             head += n
-            in_head = msg.get("role") != "user"
-        if msg.get("role") == "assistant":
+            in_head = role != "user"
+        if role == "assistant":
             replies += 1
             tail = 0
         else:
