@@ -28,7 +28,7 @@ from gateway.errors import UpstreamError
 from gateway.metrics import Metrics
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.shapes.base import OPENAI_FINISH, FinishKey
-from gateway.sse import Event, EventSplitter, Piece
+from gateway.sse import Event, EventSplitter, Piece, Whole
 
 log = logging.getLogger("warmroute.proxy")
 
@@ -84,7 +84,9 @@ class StreamGuard:
     def inspect(self, pieces: list[Piece]) -> bool:
         """Inspect the whole events among ``pieces`` (larger ones than 64 KiB are not looked at); True when
         they made the stream trip."""
-        if len(pieces) == 1:  # the common read: one event
+        if type(pieces) is Whole and len(pieces.raw) <= _MAX_EVENT:  # one read of whole events, as it came
+            data = pieces.raw
+        elif len(pieces) == 1:  # one event
             data = pieces[0].raw
             if not isinstance(pieces[0], Event) or len(data) > _MAX_EVENT:
                 return False
