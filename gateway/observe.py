@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gateway.outcomes import RequestOutcome
 from gateway.sse import Event, EventSplitter, Piece, Whole
@@ -26,6 +26,7 @@ from routing.types import Reason
 _TAIL_BYTES = 4096
 _USAGE = b'"usage"'
 _DECODER = json.JSONDecoder()
+_T = TypeVar("_T")
 # The first reply's beginning (identical heads told apart): sought in at most this many SSE events or bytes of
 # a plain body, so a long reasoning prelude costs a bounded amount (the reply then stays unknown).
 _REPLY_EVENTS = 256
@@ -310,16 +311,27 @@ def _shaped_reply(head: bytes, text: ReplyText) -> str | None:
 
 def parse_usage(tail: bytes) -> Usage | None:
     """The last well-formed ``"usage": {...}`` object in ``tail``, or None (null, absent, cut off, odd)."""
-    at = tail.rfind(_USAGE)
+    return last_object(tail, _USAGE, _chat_usage)
+
+
+def _chat_usage(value: dict[str, Any]) -> Usage | None:
+    return usage_counts(value, "prompt_tokens", "completion_tokens", "prompt_tokens_details")
+
+
+def last_object(tail: bytes, key: bytes, read: Callable[[dict[str, Any]], _T | None]) -> _T | None:
+    """What ``read`` makes of the last ``key: {...}`` object in ``tail`` that it accepts (``key`` quoted:
+    ``b'"usage"'``), or None: an earlier object counts where a later one is null, cut off or refused."""
+    at = tail.rfind(key)
     while at >= 0:
-        usage = _usage_at(tail, at + len(_USAGE))
-        if usage is not None:
-            return usage
-        at = tail.rfind(_USAGE, 0, at)
+        value = _object_at(tail, at + len(key))
+        found = None if value is None else read(value)
+        if found is not None:
+            return found
+        at = tail.rfind(key, 0, at)
     return None
 
 
-def _usage_at(tail: bytes, at: int) -> Usage | None:
+def _object_at(tail: bytes, at: int) -> dict[str, Any] | None:
     text = tail[at : at + _TAIL_BYTES].decode("utf-8", "replace").lstrip()
     if not text.startswith(":"):
         return None
@@ -327,14 +339,18 @@ def _usage_at(tail: bytes, at: int) -> Usage | None:
         value, _ = _DECODER.raw_decode(text[1:].lstrip())
     except ValueError:
         return None
-    if not isinstance(value, dict):
-        return None  # "usage": null in every chunk but the last one
-    prompt, completion = _count(value, "prompt_tokens"), _count(value, "completion_tokens")
-    if prompt is None or completion is None:
+    return value if isinstance(value, dict) else None  # "usage": null in every chunk but the last one
+
+
+def usage_counts(value: dict[str, Any], prompt: str, completion: str, details: str) -> Usage | None:
+    """A ``Usage`` from one usage object, its fields named in the shape's spelling; None where the prompt or
+    completion count is missing or not a count."""
+    prompt_tokens, completion_tokens = _count(value, prompt), _count(value, completion)
+    if prompt_tokens is None or completion_tokens is None:
         return None
-    details = value.get("prompt_tokens_details")
-    cached = _count(details, "cached_tokens") if isinstance(details, dict) else None
-    return Usage(prompt, completion, cached)
+    found = value.get(details)
+    cached = _count(found, "cached_tokens") if isinstance(found, dict) else None
+    return Usage(prompt_tokens, completion_tokens, cached)
 
 
 def _count(obj: dict[str, Any], name: str) -> int | None:

@@ -6,7 +6,7 @@ ratio (``gateway.learning``). Images count ``IMAGE_CHARS`` each (an image costs 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 IMAGE_CHARS = 2000
@@ -19,15 +19,19 @@ class Shape(NamedTuple):
 
 
 def chat_shape(messages: list[Any]) -> Shape:
-    head = tail = 0
+    return turns_shape(messages, message_chars)
+
+
+def turns_shape(messages: Iterable[Any], chars: Callable[[Mapping[str, Any]], int], system: int = 0) -> Shape:
+    """The shape of a list of turns, each message measured by ``chars``; ``system``: characters that stand
+    before the messages (in the head, and in the tail until the first reply)."""
+    head = tail = system
     replies = 0
     in_head = True
     for msg in messages:
         if not isinstance(msg, dict):
             continue
-        content = msg.get("content")
-        # The common message, text without tool calls, counted here (``message_chars`` is the general case).
-        n = len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+        n = chars(msg)
         role = msg.get("role")
         if in_head:
             head += n
@@ -42,6 +46,8 @@ def chat_shape(messages: list[Any]) -> Shape:
 
 def message_chars(msg: Mapping[str, Any]) -> int:
     content = msg.get("content")
+    if type(content) is str and "tool_calls" not in msg:
+        return len(content)  # the common message: text, no tool calls
     n = 0
     if isinstance(content, str):
         n = len(content)
@@ -62,22 +68,11 @@ def message_chars(msg: Mapping[str, Any]) -> int:
 def messages_shape(body: Mapping[str, Any]) -> Shape:
     """An Anthropic Messages body: ``system`` counts in the head, content blocks by their text (tool input
     and results by their JSON or text; images ``IMAGE_CHARS``)."""
-    head = tail = block_chars(body.get("system"))
-    replies = 0
-    in_head = True
-    for msg in body.get("messages") or ():
-        if not isinstance(msg, dict):
-            continue
-        n = block_chars(msg.get("content"))
-        if in_head:
-            head += n
-            in_head = msg.get("role") != "user"
-        if msg.get("role") == "assistant":
-            replies += 1
-            tail = 0
-        else:
-            tail += n
-    return Shape(head, tail, replies + 1)
+    return turns_shape(body.get("messages") or (), _content_chars, block_chars(body.get("system")))
+
+
+def _content_chars(msg: Mapping[str, Any]) -> int:
+    return block_chars(msg.get("content"))
 
 
 def block_chars(content: Any) -> int:

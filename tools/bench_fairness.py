@@ -16,7 +16,6 @@ within 5 % of admission off).
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,9 @@ from typing import Any
 import httpx
 
 from tools.bench_neighbours import FLOOD_TOKENS, KEYS, body, start_engine, start_gateway
+from tools.bench_rounds import interleaved_rounds, report
 from tools.client import stream_chat
-from tools.launch import Launcher, SimProfile
+from tools.launch import SimProfile
 
 HEAVY, LIGHT = 32, 8  # streams each client keeps in flight
 WARMUP_S = 4.0  # unscaled: the queue fills, admission's virtual clocks settle
@@ -87,29 +87,21 @@ async def run_variant(client: httpx.AsyncClient, url: str, time_scale: float) ->
 
 
 async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimProfile) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    with Launcher(f"warmroute-{name}-") as launch:
-        engine = start_engine(launch, profile)
-        limits = httpx.Limits(max_connections=HEAVY + LIGHT + 8)
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
-            for round_ in range(1, rounds + 1):
-                for variant in VARIANTS:
-                    gateway = start_gateway(launch, engine, variant, f"gw-{round_}-{len(runs[variant])}")
-                    try:
-                        result = await run_variant(client, gateway.url, time_scale)
-                    finally:
-                        launch.stop(gateway)
-                    print(f"  {name} {variant} round {round_}: {brief(result)}", flush=True)
-                    runs[variant].append(result)
-    medians = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in runs.items()}
-    return {
-        "scenario": name,
-        "target": SCENARIOS[name],
-        "rounds": rounds,
-        "time_scale": time_scale,
-        "runs": runs,
-        "medians": medians,
-    }
+    async def run(client: httpx.AsyncClient, url: str, variant: str) -> dict[str, Any]:
+        return await run_variant(client, url, time_scale)
+
+    runs = await interleaved_rounds(
+        name,
+        rounds,
+        VARIANTS,
+        profile,
+        start_engine=start_engine,
+        start_gateway=start_gateway,
+        run_variant=run,
+        brief=brief,
+        max_connections=HEAVY + LIGHT + 8,
+    )
+    return report(name, SCENARIOS[name], rounds, time_scale, runs)
 
 
 def brief(result: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from tools import procs
+from tools.bench_rounds import interleaved_rounds, report
 from tools.client import StreamResult, stream_chat
 from tools.launch import Child, Engine, Launcher, SimProfile
 from tools.procs import LOCALHOST, free_port
@@ -155,32 +156,21 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimProfile) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    with Launcher(f"warmroute-{name}-") as launch:
-        engine = start_engine(launch, profile)
-        limits = httpx.Limits(max_connections=FLOOD + 8)
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
-            for round_ in range(1, rounds + 1):
-                for variant in VARIANTS:
-                    gateway = start_gateway(launch, engine, variant, f"gw-{round_}-{len(runs[variant])}")
-                    try:
-                        result = summarize(await run_variant(client, gateway.url, variant))
-                    finally:
-                        launch.stop(gateway)
-                    print(f"  {name} {variant} round {round_}: {brief(result)}", flush=True)
-                    runs[variant].append(result)
-    medians = {
-        v: {k: statistics.median(r[k] for r in rs) for k in rs[0] if rs[0][k] is not None}
-        for v, rs in runs.items()
-    }
-    return {
-        "scenario": name,
-        "target": SCENARIOS[name],
-        "rounds": rounds,
-        "time_scale": time_scale,
-        "runs": runs,
-        "medians": medians,
-    }
+    async def run(client: httpx.AsyncClient, url: str, variant: str) -> dict[str, Any]:
+        return summarize(await run_variant(client, url, variant))
+
+    runs = await interleaved_rounds(
+        name,
+        rounds,
+        VARIANTS,
+        profile,
+        start_engine=start_engine,
+        start_gateway=start_gateway,
+        run_variant=run,
+        brief=brief,
+        max_connections=FLOOD + 8,
+    )
+    return report(name, SCENARIOS[name], rounds, time_scale, runs)
 
 
 def brief(result: dict[str, Any]) -> str:

@@ -22,15 +22,15 @@ from backends.sim.protocol import (
     Endpoint,
     SimRequest,
     bad_request,
-    check_context,
+    chat_prompt,
+    context_tokens,
     json_object,
     model_of,
     optional_bool,
     optional_int,
-    optional_tools,
 )
 from backends.sim.text import FinishReason, OutputPlan, OutputSpec, PieceKind
-from backends.sim.tokens import TemplateError, render_chat, tokenize
+from backends.sim.tokens import tokenize
 
 BILLING_PREFIX = "x-anthropic-billing-header"
 THINKING_TYPES = frozenset({"enabled", "disabled", "adaptive"})
@@ -133,10 +133,7 @@ def _thinking(body: Mapping[str, Any], cfg: SimConfig) -> tuple[bool, int | None
 
 
 def render_prompt(body: Mapping[str, Any], cfg: SimConfig) -> str:
-    try:
-        return render_chat(chat_messages(body, cfg), tools=optional_tools(body))
-    except TemplateError as exc:
-        raise bad_request(str(exc)) from exc
+    return chat_prompt(chat_messages(body, cfg), body)
 
 
 def parse_messages(raw: bytes, cfg: SimConfig) -> SimRequest:
@@ -146,8 +143,7 @@ def parse_messages(raw: bytes, cfg: SimConfig) -> SimRequest:
     if max_tokens is None:
         raise bad_request("'max_tokens' is required")
     prompt_text = render_prompt(body, cfg)
-    prompt_tokens = tuple(tokenize(prompt_text))
-    check_context(len(prompt_tokens), max_tokens, cfg)
+    prompt_tokens = context_tokens(prompt_text, max_tokens, cfg)
     thinking, budget = _thinking(body, cfg)
     spec = OutputSpec(max_tokens=max_tokens, thinking=thinking, thinking_budget=budget)
     stream = optional_bool(body, "stream") or False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -113,6 +113,27 @@ def optional_tools(body: Mapping[str, Any]) -> list[Any] | None:
     return tools
 
 
+def chat_prompt(
+    messages: Sequence[Any],
+    body: Mapping[str, Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """``messages`` rendered through the chat template with the body's ``tools``; a template error is the
+    client's (400). Chat, Messages and Responses all reach the engine's prompt this way."""
+    tools = optional_tools(body)
+    try:
+        return render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+        )
+    except TemplateError as exc:
+        raise bad_request(str(exc)) from exc
+
+
 def _prompt(body: Mapping[str, Any], endpoint: Endpoint) -> str:
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")
@@ -120,15 +141,12 @@ def _prompt(body: Mapping[str, Any], endpoint: Endpoint) -> str:
             raise bad_request("'messages' must be a list")
         add_generation_prompt = optional_bool(body, "add_generation_prompt")
         continue_final = optional_bool(body, "continue_final_message") or False
-        try:
-            return render_chat(
-                messages,
-                add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
-                continue_final_message=continue_final,
-                tools=optional_tools(body),
-            )
-        except TemplateError as exc:
-            raise bad_request(str(exc)) from exc
+        return chat_prompt(
+            messages,
+            body,
+            add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+            continue_final_message=continue_final,
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -156,14 +174,17 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def check_context(prompt_tokens: int, max_tokens: int, cfg: SimConfig) -> None:
-    if prompt_tokens + max_tokens > cfg.max_model_len:
+def context_tokens(prompt_text: str, max_tokens: int, cfg: SimConfig) -> tuple[str, ...]:
+    """The prompt's tokens; 400 where they and ``max_tokens`` do not fit the model's context."""
+    prompt_tokens = tuple(tokenize(prompt_text))
+    if len(prompt_tokens) + max_tokens > cfg.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{len(prompt_tokens) + max_tokens} tokens ({len(prompt_tokens)} in the messages, "
             f"{max_tokens} in the completion).",
             "context_length_exceeded",
         )
+    return prompt_tokens
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, cfg: SimConfig) -> SimRequest:
@@ -177,10 +198,9 @@ def parse_request(raw: bytes, endpoint: Endpoint, cfg: SimConfig) -> SimRequest:
         raise bad_request("'stream_options' must be an object")
     include_usage = bool(stream and optional_bool(options, "include_usage"))
     prompt_text = _prompt(body, endpoint)
-    prompt_tokens = tuple(tokenize(prompt_text))
     max_tokens = optional_int(body, "max_completion_tokens", 1) or optional_int(body, "max_tokens", 1)
     max_tokens = max_tokens or cfg.default_max_tokens
-    check_context(len(prompt_tokens), max_tokens, cfg)
+    prompt_tokens = context_tokens(prompt_text, max_tokens, cfg)
     is_chat = endpoint is Endpoint.CHAT
     spec = OutputSpec(
         max_tokens=max_tokens,

@@ -27,16 +27,15 @@ from backends.sim.protocol import (
     SimError,
     SimRequest,
     bad_request,
-    check_context,
+    chat_prompt,
+    context_tokens,
     json_object,
     model_of,
     optional_bool,
     optional_int,
-    optional_tools,
 )
 from backends.sim.response_store import ResponseStore, StoredResponse
 from backends.sim.text import FinishReason, OutputPlan, OutputSpec, PieceKind
-from backends.sim.tokens import TemplateError, render_chat, tokenize
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -140,13 +139,9 @@ def parse_responses(
     items = input_items(body.get("input"), ids)
     conversation = (*previous, *(m for item in items if (m := _item_message(item)) is not None))
     system = [{"role": "system", "content": instructions}] if instructions else []
-    try:
-        prompt_text = render_chat([*system, *conversation], tools=optional_tools(body))
-    except TemplateError as exc:
-        raise bad_request(str(exc)) from exc
-    prompt_tokens = tuple(tokenize(prompt_text))
+    prompt_text = chat_prompt([*system, *conversation], body)
     max_tokens = optional_int(body, "max_output_tokens", 1) or cfg.default_max_tokens
-    check_context(len(prompt_tokens), max_tokens, cfg)
+    prompt_tokens = context_tokens(prompt_text, max_tokens, cfg)
     spec = OutputSpec(max_tokens=max_tokens, thinking=_thinking(body, cfg))
     stream = optional_bool(body, "stream") or False
     keep = optional_bool(body, "store")

@@ -19,7 +19,7 @@ from typing import Any
 from config.settings import Effort, RoutingConfig
 from gateway.errors import BadRequest, GatewayError
 from gateway.inbound import check_common, check_content, check_text, require_model
-from gateway.observe import ReplyText, Usage
+from gateway.observe import ReplyText, Usage, last_object, usage_counts
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse, openai_body
 from routing.keys import responses_key
 
@@ -33,8 +33,6 @@ EFFORTS = tuple(e.value for e in Effort)
 _OPTIONAL_STRINGS = ("instructions", "prompt_cache_key")
 _OPTIONAL_BOOLS = ("store",)
 _USAGE = b'"usage"'
-_DECODER = json.JSONDecoder()
-_TAIL = 4096
 
 
 def validate(body: dict[str, Any]) -> str:
@@ -122,38 +120,11 @@ def key(body: dict[str, Any], model: str, routing: RoutingConfig) -> str:
 
 def usage(tail: bytes) -> Usage | None:
     """The last well-formed Responses usage object in ``tail`` (a body, or ``response.completed``'s)."""
-    at = tail.rfind(_USAGE)
-    while at >= 0:
-        found = _usage_at(tail, at + len(_USAGE))
-        if found is not None:
-            return found
-        at = tail.rfind(_USAGE, 0, at)
-    return None
+    return last_object(tail, _USAGE, _responses_usage)
 
 
-def _usage_at(tail: bytes, at: int) -> Usage | None:
-    text = tail[at : at + _TAIL].decode("utf-8", "replace").lstrip()
-    if not text.startswith(":"):
-        return None
-    try:
-        value, _ = _DECODER.raw_decode(text[1:].lstrip())
-    except ValueError:
-        return None
-    if not isinstance(value, dict):
-        return None
-    prompt, completion = _count(value, "input_tokens"), _count(value, "output_tokens")
-    if prompt is None or completion is None:
-        return None
-    details = value.get("input_tokens_details")
-    cached = _count(details, "cached_tokens") if isinstance(details, dict) else None
-    return Usage(prompt, completion, cached)
-
-
-def _count(obj: dict[str, Any], name: str) -> int | None:
-    value = obj.get(name)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+def _responses_usage(value: dict[str, Any]) -> Usage | None:
+    return usage_counts(value, "input_tokens", "output_tokens", "input_tokens_details")
 
 
 def conversation(body: dict[str, Any]) -> list[Any] | None:

@@ -9,20 +9,15 @@ import json
 from typing import Any
 
 import pytest
-from prometheus_client import generate_latest
 
-from backends.registry import Registry
-from config.settings import load_settings
 from gateway.admission import AdmissionControl
 from gateway.context import RequestContext
-from gateway.metrics import AdmissionMetrics, Metrics
-from gateway.proxy import AdmitAll, Proxy
+from gateway.metrics import AdmissionMetrics
 from gateway.shapes.table import CHAT
-from gateway.state import MemoryAffinityStore
 from routing.policies.round_robin import RoundRobinPolicy
-from routing.types import BackendState
 
-from transports import FakeTransport, Reply
+from proxy_rig import OneBackend, ProxyClient
+from transports import Reply
 
 pytestmark = pytest.mark.anyio
 JSON = [(b"content-type", b"application/json")]
@@ -33,24 +28,17 @@ CLASSES = {
 }
 
 
-class Rig:
+class Rig(OneBackend):
     """One backend ``a`` behind a proxy with admission (capacity 1 unless told)."""
 
     def __init__(self, **admission: Any) -> None:
         cfg = {"enabled": True, "max_in_flight": 1, "classes": CLASSES, "default_class": "batch", **admission}
-        settings = load_settings(
-            None, backends=[{"id": "a", "url": "http://a", "models": ["m"]}], admission=cfg
-        )
-        store = MemoryAffinityStore(settings.routing)
-        self.registry = registry = Registry(settings.backends, listener=store)
-        registry.backends["a"].state = BackendState.READY
-        self.metrics = Metrics(registry)
+        super().__init__(admission=cfg)
+        classes = list(self.settings.admission.classes)
         self.admission = AdmissionControl(
-            settings.admission, AdmissionMetrics(self.metrics.registry, list(settings.admission.classes))
+            self.settings.admission, AdmissionMetrics(self.metrics.registry, classes)
         )
-        self.fake = FakeTransport()
-        modules = (self.metrics, self.admission)
-        self.proxy = Proxy(settings.timeouts, registry, store, AdmitAll(), self.metrics, self.fake, modules)
+        self.proxy = self.build_proxy(self.admission)
 
     def hold(self, n: int = 1) -> list[asyncio.Event]:
         """Script ``n`` replies that stay open until their event is set."""
@@ -72,10 +60,7 @@ class Rig:
         assert all(self.admission.scheduler.depth(c) == 0 for c in self.admission.scheduler.classes())
 
     def counter(self, client: str, outcome: str) -> float:
-        text = generate_latest(self.metrics.registry).decode()
-        line = f'warmroute_admission_requests_total{{client="{client}",outcome="{outcome}"}} '
-        found = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
-        return found[0] if found else 0.0
+        return self.sample("warmroute_admission_requests_total", client=client, outcome=outcome)
 
 
 def context(client: str | None, label: str, *, stream: bool = False, headers: Any = ()) -> RequestContext:
@@ -93,36 +78,17 @@ def context(client: str | None, label: str, *, stream: bool = False, headers: An
     return ctx
 
 
-class Client:
-    """One request forwarded as a task: what it was sent, and a disconnect the test can trigger."""
-
-    def __init__(self, rig: Rig, ctx: RequestContext) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self.leave = asyncio.Event()
-        self.comment = asyncio.Event()
-        self.task = asyncio.create_task(rig.proxy.forward(self._receive, self._send, ctx))
-
-    async def _receive(self) -> dict[str, Any]:
-        await self.leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def _send(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
-        if message.get("body", b"").startswith(b": waiting"):
-            self.comment.set()
-
-    async def answer(self) -> tuple[int, dict[bytes, bytes], bytes]:
-        await self.task
-        head = self.sent[0]
-        return head["status"], dict(head["headers"]), b"".join(m.get("body", b"") for m in self.sent[1:])
+def waiting_comment(body: bytes) -> bool:
+    """The comment a streamed request is sent while it waits for admission."""
+    return body.startswith(b": waiting")
 
 
 async def test_an_interactive_turn_goes_before_a_queued_batch_flood() -> None:
     rig = Rig(clients={"alice": "interactive", "docs": "batch"})
     gates = rig.hold(7)
-    flood = [Client(rig, context("docs", f"docs-{i}")) for i in range(6)]
+    flood = [ProxyClient(rig, context("docs", f"docs-{i}")) for i in range(6)]
     await rig.queued(5)
-    turn = Client(rig, context("alice", "alice"))
+    turn = ProxyClient(rig, context("alice", "alice"))
     await rig.queued(1, "interactive")
     for gate in gates:
         gate.set()
@@ -136,9 +102,9 @@ async def test_an_interactive_turn_goes_before_a_queued_batch_flood() -> None:
 async def test_in_one_class_a_flood_does_not_delay_another_client_beyond_one_turnover() -> None:
     rig = Rig(default_class="batch")
     gates = rig.hold(9)
-    flood = [Client(rig, context("docs", f"docs-{i}")) for i in range(6)]
+    flood = [ProxyClient(rig, context("docs", f"docs-{i}")) for i in range(6)]
     await rig.queued(5)
-    turns = [Client(rig, context("bob", f"bob-{i}")) for i in range(2)]
+    turns = [ProxyClient(rig, context("bob", f"bob-{i}")) for i in range(2)]
     await rig.queued(7)
     for gate in gates:
         gate.set()
@@ -151,10 +117,10 @@ async def test_in_one_class_a_flood_does_not_delay_another_client_beyond_one_tur
 async def test_a_wait_past_the_class_timeout_is_a_503_with_retry_after() -> None:
     rig = Rig(classes={"batch": {"timeout_s": 0.05, "retry_after_s": 7}}, default_class="batch")
     (gate,) = rig.hold(1)
-    running = Client(rig, context("docs", "docs-0"))
+    running = ProxyClient(rig, context("docs", "docs-0"))
     await rig.admission.until(lambda: rig.admission.scheduler.running("a") == 1)
-    status, headers, body = await Client(rig, context("docs", "docs-1")).answer()
-    assert (status, headers[b"retry-after"]) == (503, b"7")
+    status, headers, body = await ProxyClient(rig, context("docs", "docs-1")).answer()
+    assert (status, dict(headers)[b"retry-after"]) == (503, b"7")
     assert json.loads(body)["error"]["code"] == "admission_timeout"
     gate.set()
     assert (await running.answer())[0] == 200
@@ -166,10 +132,10 @@ async def test_a_wait_past_the_class_timeout_is_a_503_with_retry_after() -> None
 async def test_a_full_class_queue_refuses_at_once() -> None:
     rig = Rig(classes={"batch": {"max_queued": 1, "retry_after_s": 3}}, default_class="batch")
     first, second = rig.hold(2)
-    running, waiting = Client(rig, context("x", "x-0")), Client(rig, context("x", "x-1"))
+    running, waiting = ProxyClient(rig, context("x", "x-0")), ProxyClient(rig, context("x", "x-1"))
     await rig.queued(1)
-    status, headers, body = await Client(rig, context("x", "x-2")).answer()
-    assert (status, headers[b"retry-after"], json.loads(body)["error"]["code"]) == (
+    status, headers, body = await ProxyClient(rig, context("x", "x-2")).answer()
+    assert (status, dict(headers)[b"retry-after"], json.loads(body)["error"]["code"]) == (
         503,
         b"3",
         "admission_queue_full",
@@ -183,9 +149,9 @@ async def test_a_full_class_queue_refuses_at_once() -> None:
 async def test_a_client_that_leaves_the_queue_is_never_sent() -> None:
     rig = Rig()
     (gate, second) = rig.hold(2)
-    running = Client(rig, context("a", "a-0"))
-    gone = Client(rig, context("b", "b-0"))
-    stays = Client(rig, context("c", "c-0"))
+    running = ProxyClient(rig, context("a", "a-0"))
+    gone = ProxyClient(rig, context("b", "b-0"))
+    stays = ProxyClient(rig, context("c", "c-0"))
     await rig.queued(2)
     gone.leave.set()
     await gone.task
@@ -202,13 +168,13 @@ async def test_a_waiting_stream_gets_keepalive_comments_then_the_engine_stream()
     rig = Rig(keepalive_s=0.01)
     (gate,) = rig.hold(1)
     rig.fake.script("http://a", Reply(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"]))
-    running = Client(rig, context("a", "a-0"))
-    stream = Client(rig, context("b", "b-0", stream=True))
-    await stream.comment.wait()
+    running = ProxyClient(rig, context("a", "a-0"))
+    stream = ProxyClient(rig, context("b", "b-0", stream=True))
+    await stream.sent_body(waiting_comment)
     gate.set()
     await running.answer()
     status, headers, body = await stream.answer()
-    assert (status, headers[b"content-type"]) == (200, b"text/event-stream")
+    assert (status, dict(headers)[b"content-type"]) == (200, b"text/event-stream")
     assert [m["type"] for m in stream.sent].count("http.response.start") == 1
     assert body.startswith(b": waiting for a (0 s)\n\n") and body.endswith(b"data: 1\n\ndata: [DONE]\n\n")
     await rig.idle()
@@ -218,12 +184,12 @@ async def test_a_trusted_key_picks_its_class_by_header_an_untrusted_one_cannot()
     rig = Rig(class_header_clients=["ops"])
     gates = rig.hold(4)
     header = [(b"x-warmroute-class", b"interactive")]
-    first = Client(rig, context("a", "a-0"))
-    queued = [Client(rig, context("a", "a-1"))]
+    first = ProxyClient(rig, context("a", "a-0"))
+    queued = [ProxyClient(rig, context("a", "a-1"))]
     await rig.queued(1)
-    queued.append(Client(rig, context("mallory", "mallory", headers=header)))
+    queued.append(ProxyClient(rig, context("mallory", "mallory", headers=header)))
     await rig.queued(2)
-    queued.append(Client(rig, context("ops", "ops", headers=header)))
+    queued.append(ProxyClient(rig, context("ops", "ops", headers=header)))
     await rig.queued(1, "interactive")
     for gate in gates:
         gate.set()
@@ -235,7 +201,7 @@ async def test_a_trusted_key_picks_its_class_by_header_an_untrusted_one_cannot()
 async def test_a_failed_first_attempt_gives_its_slot_back_before_the_retry() -> None:
     rig = Rig()
     rig.fake.script("http://a", Reply.json({"error": "boom"}, status=500))
-    status, _, _ = await Client(rig, context("a", "a-0")).answer()
+    status, _, _ = await ProxyClient(rig, context("a", "a-0")).answer()
     assert status == 500  # one backend: nobody else to ask
     await rig.idle()
 
@@ -244,7 +210,7 @@ async def test_an_engine_that_schedules_by_priority_is_told_the_class_rank() -> 
     rig = Rig(clients={"alice": "interactive"}, engine_priority=["a"])
     rig.fake.script("http://a", Reply.json({"ok": True}), Reply.json({"ok": True}))
     for client in ("alice", "docs"):
-        assert (await Client(rig, context(client, client)).answer())[0] == 200
+        assert (await ProxyClient(rig, context(client, client)).answer())[0] == 200
     sent = [json.loads(r.body) for r in rig.fake.requests]
     assert [(b["messages"][0]["content"], b["priority"]) for b in sent] == [("alice", 0), ("docs", 1)]
     assert rig.fake.requests[0].body == (
@@ -258,7 +224,7 @@ async def test_other_engines_get_the_clients_bytes_unchanged() -> None:
     rig = Rig(clients={"alice": "interactive"})
     rig.fake.script("http://a", Reply.json({"ok": True}))
     ctx = context("alice", "alice")
-    assert (await Client(rig, ctx).answer())[0] == 200
+    assert (await ProxyClient(rig, ctx).answer())[0] == 200
     assert rig.fake.requests[0].body == ctx.raw
     await rig.idle()
 
@@ -266,7 +232,7 @@ async def test_other_engines_get_the_clients_bytes_unchanged() -> None:
 async def test_a_keepalive_that_cannot_be_sent_leaves_the_queue() -> None:
     rig = Rig(keepalive_s=0.01)
     (gate,) = rig.hold(1)
-    running = Client(rig, context("a", "a-0"))
+    running = ProxyClient(rig, context("a", "a-0"))
     await rig.admission.until(lambda: rig.admission.scheduler.running("a") == 1)
 
     async def broken(message: dict[str, Any]) -> None:

@@ -16,12 +16,9 @@ import pytest
 from prometheus_client import generate_latest
 from redis.asyncio import Redis
 
-from backends.registry import Registry
-from config.settings import RedisConfig, load_settings
+from config.settings import RedisConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError
-from gateway.metrics import Metrics
-from gateway.proxy import AdmitAll, Proxy
 from gateway.quota_windows import Limits, Verdict
 from gateway.quotas import LocalQuotas, Quotas
 from gateway.redis_keys import RedisKeys
@@ -29,12 +26,11 @@ from gateway.redis_quotas import QuotaUnavailable, RedisQuotas
 from gateway.redis_store import redis_pool
 from gateway.shapes.base import ApiShape, ErrorShape
 from gateway.shapes.table import CHAT
-from gateway.state import MemoryAffinityStore
 from gateway.transport import UpstreamConnectError
 from routing.policies.round_robin import RoundRobinPolicy
-from routing.types import BackendState
 
-from transports import FakeTransport, Reply
+from proxy_rig import OneBackend, ProxyClient
+from transports import Reply
 
 pytestmark = pytest.mark.anyio
 JSON = [(b"content-type", b"application/json")]
@@ -61,32 +57,17 @@ class AnnouncedQuotas(LocalQuotas):
         return verdict
 
 
-class Rig:
+class Rig(OneBackend):
     """One backend ``a`` behind a proxy whose quota module has ``keys``."""
 
     def __init__(self, keys: dict[str, Any]) -> None:
-        settings = load_settings(
-            None,
-            backends=[{"id": "a", "url": "http://a", "models": ["m"]}],
-            quotas={"keys": keys, "window_s": HOUR},
-        )
-        affinity = MemoryAffinityStore(settings.routing)
-        self.registry = registry = Registry(settings.backends, listener=affinity)
-        registry.backends["a"].state = BackendState.READY
-        self.metrics = Metrics(registry)
+        super().__init__(quotas={"keys": keys, "window_s": HOUR})
         self.store = AnnouncedQuotas()
-        self.quotas = Quotas(settings.quotas, self.store, self.metrics.quotas())
-        self.fake = FakeTransport()
-        modules = (self.metrics, self.quotas)
-        self.proxy = Proxy(
-            settings.timeouts, registry, affinity, AdmitAll(), self.metrics, self.fake, modules
-        )
+        self.quotas = Quotas(self.settings.quotas, self.store, self.metrics.quotas())
+        self.proxy = self.build_proxy(self.quotas)
 
     def counter(self, client: str, outcome: str) -> float:
-        text = generate_latest(self.metrics.registry).decode()
-        line = f'warmroute_quota_requests_total{{client="{client}",outcome="{outcome}"}} '
-        found = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
-        return found[0] if found else 0.0
+        return self.sample("warmroute_quota_requests_total", client=client, outcome=outcome)
 
     async def window(self, key: str) -> Verdict:
         return await self.quotas.store.state(key, self.quotas.limits[key])
@@ -104,30 +85,6 @@ def context(client: str | None, *, stream: bool = False, shape: ApiShape = CHAT)
     return ctx
 
 
-class Client:
-    """One request forwarded as a task; ``leave`` makes the client disconnect."""
-
-    def __init__(self, rig: Rig, ctx: RequestContext) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self.leave = asyncio.Event()
-        self.headed = asyncio.Event()
-        self.task = asyncio.create_task(rig.proxy.forward(self._receive, self._send, ctx))
-
-    async def _receive(self) -> dict[str, Any]:
-        await self.leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def _send(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
-        if message["type"] == "http.response.body" and message.get("body"):
-            self.headed.set()
-
-    async def answer(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        await self.task
-        head = self.sent[0]
-        return head["status"], list(head["headers"]), b"".join(m.get("body", b"") for m in self.sent[1:])
-
-
 def ratelimit(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k.startswith((b"x-ratelimit-", b"retry-after"))]
 
@@ -135,11 +92,11 @@ def ratelimit(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
 async def test_the_request_past_the_window_gets_a_429_with_openais_headers_and_body() -> None:
     rig = Rig({"alice": {"requests_per_window": 3}})
     rig.fake.script("http://a", *(answer() for _ in range(3)))
-    admitted = [await Client(rig, context("alice")).answer() for _ in range(3)]
+    admitted = [await ProxyClient(rig, context("alice")).answer() for _ in range(3)]
     assert [s for s, _, _ in admitted] == [200, 200, 200]
     remaining = [dict(h)[b"x-ratelimit-remaining-requests"] for _, h, _ in admitted]
     assert remaining == [b"2", b"1", b"0"]
-    status, headers, body = await Client(rig, context("alice")).answer()
+    status, headers, body = await ProxyClient(rig, context("alice")).answer()
     assert status == 429
     assert ratelimit(headers) == [
         (b"retry-after", b"3600"),
@@ -164,19 +121,19 @@ async def test_the_request_past_the_window_gets_a_429_with_openais_headers_and_b
 async def test_admitted_answers_carry_both_trios_and_tokens_come_from_usage() -> None:
     rig = Rig({"alice": {"requests_per_window": 10, "tokens_per_window": 200}})
     rig.fake.script("http://a", answer(40, 70), answer(30, 20), answer())
-    first = await Client(rig, context("alice")).answer()
+    first = await ProxyClient(rig, context("alice")).answer()
     assert first[0] == 200
     h = dict(first[1])
     assert (h[b"x-ratelimit-limit-requests"], h[b"x-ratelimit-remaining-requests"]) == (b"10", b"9")
     assert (h[b"x-ratelimit-limit-tokens"], h[b"x-ratelimit-remaining-tokens"]) == (b"200", b"200")
     assert h[b"x-ratelimit-reset-requests"] == h[b"x-ratelimit-reset-tokens"] == b"1h0m0s"
     assert (await rig.window("alice")).tokens == 110  # 40 + 70, charged once it was answered
-    second = dict((await Client(rig, context("alice")).answer())[1])
+    second = dict((await ProxyClient(rig, context("alice")).answer())[1])
     assert second[b"x-ratelimit-remaining-tokens"] == b"90"
     assert (await rig.window("alice")).tokens == 160
-    third = dict((await Client(rig, context("alice")).answer())[1])  # 160 < 200: admitted
+    third = dict((await ProxyClient(rig, context("alice")).answer())[1])  # 160 < 200: admitted
     assert third[b"x-ratelimit-remaining-tokens"] == b"40"
-    status, headers, body = await Client(rig, context("alice")).answer()  # 270 spent
+    status, headers, body = await ProxyClient(rig, context("alice")).answer()  # 270 spent
     assert status == 429
     assert json.loads(body)["error"]["type"] == "tokens"
     limited = dict(ratelimit(headers))
@@ -196,7 +153,7 @@ async def test_a_streams_usage_is_charged_and_its_head_carries_the_headers() -> 
         b"data: [DONE]\n\n",
     ]
     rig.fake.script("http://a", Reply(200, SSE, events))
-    status, headers, _ = await Client(rig, context("alice", stream=True)).answer()
+    status, headers, _ = await ProxyClient(rig, context("alice", stream=True)).answer()
     assert status == 200
     assert dict(headers)[b"x-ratelimit-remaining-tokens"] == b"1000"
     assert (await rig.window("alice")).tokens == 17
@@ -207,9 +164,9 @@ async def test_an_answer_without_usage_is_charged_its_prompt_estimate_and_a_fail
     rig = Rig({"alice": {"tokens_per_window": 1000}})
     rig.fake.script("http://a", Reply(200, SSE, [b"data: [DONE]\n\n"]), Reply.json({"error": "no"}, 400))
     ctx = context("alice", stream=True)
-    await Client(rig, ctx).answer()
+    await ProxyClient(rig, ctx).answer()
     assert (await rig.window("alice")).tokens == len(ctx.raw) // 4
-    await Client(rig, context("alice")).answer()
+    await ProxyClient(rig, context("alice")).answer()
     assert (await rig.window("alice")).tokens == len(ctx.raw) // 4
     await rig.idle("alice")
 
@@ -222,8 +179,8 @@ async def test_a_refusal_is_rendered_in_the_routes_own_error_shape() -> None:
 
     shape = dataclasses.replace(CHAT, errors=ErrorShape(body, lambda err: b"", b"application/x-test"))
     rig.fake.script("http://a", answer())
-    await Client(rig, context("alice", shape=shape)).answer()
-    status, headers, sent = await Client(rig, context("alice", shape=shape)).answer()
+    await ProxyClient(rig, context("alice", shape=shape)).answer()
+    status, headers, sent = await ProxyClient(rig, context("alice", shape=shape)).answer()
     assert (status, dict(headers)[b"content-type"], dict(headers)[b"retry-after"]) == (
         429,
         b"application/x-test",
@@ -236,7 +193,7 @@ async def test_keys_without_a_quota_and_requests_without_a_key_are_not_looked_at
     rig = Rig({"alice": {"requests_per_window": 1}})
     rig.fake.script("http://a", answer(), answer())
     for client in ("bob", None):
-        status, headers, _ = await Client(rig, context(client)).answer()
+        status, headers, _ = await ProxyClient(rig, context(client)).answer()
         assert status == 200 and ratelimit(headers) == []
     text = generate_latest(rig.metrics.registry).decode()
     assert "warmroute_quota_requests_total{" not in text
@@ -246,9 +203,9 @@ async def test_the_concurrent_limit_refuses_while_one_runs_and_admits_once_it_en
     rig = Rig({"alice": {"concurrent": 1}})
     gate = asyncio.Event()
     rig.fake.script("http://a", Reply(200, JSON, [gate, json.dumps({"usage": None}).encode()]), answer())
-    running = Client(rig, context("alice"))
+    running = ProxyClient(rig, context("alice"))
     await rig.store.admitted.wait()
-    status, headers, body = await Client(rig, context("alice")).answer()
+    status, headers, body = await ProxyClient(rig, context("alice")).answer()
     assert (status, ratelimit(headers), json.loads(body)["error"]["type"]) == (
         429,
         [(b"retry-after", b"1")],
@@ -257,7 +214,7 @@ async def test_the_concurrent_limit_refuses_while_one_runs_and_admits_once_it_en
     assert "limit 1, in flight 1" in json.loads(body)["error"]["message"]
     gate.set()
     assert (await running.answer())[0] == 200
-    assert (await Client(rig, context("alice")).answer())[0] == 200
+    assert (await ProxyClient(rig, context("alice")).answer())[0] == 200
     assert (rig.counter("alice", "admitted"), rig.counter("alice", "concurrent")) == (2, 1)
     await rig.idle("alice")
 
@@ -277,12 +234,12 @@ async def test_in_flight_returns_to_zero_however_a_request_ends(ending: str) -> 
         "client_left_streaming": [Reply(200, SSE, [b'data: {"choices":[]}\n\n', gate])],
     }[ending]
     rig.fake.script("http://a", *replies)
-    client = Client(rig, context("alice", stream=ending == "client_left_streaming"))
+    client = ProxyClient(rig, context("alice", stream=ending == "client_left_streaming"))
     if ending == "client_left_waiting":
         await rig.store.admitted.wait()
         client.leave.set()
     elif ending == "client_left_streaming":
-        await client.headed.wait()
+        await client.sent_body()
         client.leave.set()
     await client.task
     await rig.idle("alice")
@@ -306,7 +263,7 @@ async def test_an_unreachable_shared_state_admits_unchecked_with_one_warning(
     rig.quotas.store = RedisQuotas(client, RedisKeys("t:"), "r1", rig.quotas.unavailable)
     rig.fake.script("http://a", answer(), answer())
     with caplog.at_level(logging.WARNING, logger="warmroute.quotas"):
-        results = [await Client(rig, context("alice")).answer() for _ in range(2)]
+        results = [await ProxyClient(rig, context("alice")).answer() for _ in range(2)]
     assert [(s, ratelimit(h)) for s, h, _ in results] == [(200, []), (200, [])]  # past the limit: fail open
     assert rig.counter("alice", "unchecked") == 2 and rig.metrics.quotas().store_failures == 2
     warnings = [r.getMessage() for r in caplog.records if r.name == "warmroute.quotas"]

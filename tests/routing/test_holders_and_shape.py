@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from routing.holders import HeadHolders
 from routing.keys import REPLY_CHARS, chat_key, first_reply, reply_key, reply_text
-from routing.shape import IMAGE_CHARS, chat_shape
+from routing.shape import IMAGE_CHARS, chat_shape, messages_shape
 
 
 def test_holders_collect_backends_per_head_and_drop_one() -> None:
@@ -49,6 +49,20 @@ def test_shape_counts_tool_call_arguments() -> None:
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
         {"function": {"name": "f", "arguments": "{}" * 10}}]}, {"role": "tool", "content": "r"}]  # fmt: skip
     assert chat_shape(msgs) == (1, 1, 2)
+
+
+def test_messages_shape_counts_system_in_the_head_and_blocks_by_their_text() -> None:
+    body = {
+        "system": "s" * 100,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "u" * 50}, {"type": "image"}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "input": "i" * 7}]},
+            {"role": "user", "content": [{"type": "tool_result", "content": "r" * 30}]},
+        ],
+    }
+    assert messages_shape(body) == (100 + 50 + IMAGE_CHARS, 30, 2)
+    first = {**body, "messages": body["messages"][:1]}
+    assert messages_shape(first) == (100 + 50 + IMAGE_CHARS, 100 + 50 + IMAGE_CHARS, 1)
 
 
 def test_first_reply_is_the_assistant_message_after_the_first_user_message() -> None:
