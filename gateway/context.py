@@ -26,6 +26,7 @@ from gateway.thinking import Thinking
 from gateway.transport import TransportResponse
 from routing.policies import Policy
 from routing.types import Reason
+from routing.volatile import VolatileRules
 
 
 class Release(Protocol):
@@ -56,6 +57,8 @@ class RequestContext:
     # -- routing inputs, set by the modules' route hooks before routing ---------------------------------
     ineligible: frozenset[str] = frozenset()  # backends that cannot serve this request (``RouteFilter``)
     route_key: str | None = None  # the key routing pins, when a ``RouteInputs`` refines ``key``
+    #: ``rules.may_hold(raw)`` once asked (the keying metric and the strip step ask the same rules).
+    volatile_checked: tuple[VolatileRules, bool] | None = None
     # -- filled in by the proxy's phases --------------------------------------------------------------
     task: asyncio.Task[None] | None = None
     reason: Reason = Reason.NO_BACKEND

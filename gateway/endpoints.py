@@ -127,7 +127,11 @@ class Endpoint:
             self.keying.session_keyed(identity.source, identity.subagent)
             return
         self.keying.session_keyed(HEAD, False)
-        if ctx.body is not None and self.volatile.may_hold(ctx.raw) and self.volatile.present(ctx.body):
+        if ctx.body is None:
+            return
+        possible = self.volatile.may_hold(ctx.raw)
+        ctx.volatile_checked = (self.volatile, possible)
+        if possible and self.volatile.present(ctx.body):
             self.keying.volatile_normalised("key")
 
     def make(

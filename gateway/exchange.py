@@ -51,7 +51,7 @@ from gateway.relay import (
     sse_error,
     upstream_headers,
 )
-from gateway.sse import MAX_EVENT_BYTES, EventSplitter, Piece, Unended
+from gateway.sse import MAX_EVENT_BYTES, EventSplitter, Piece, Unended, Whole
 from gateway.transport import TransportResponse, UpstreamReadError, UpstreamTransport, UpstreamTransportError
 
 log = logging.getLogger("warmroute.proxy")
@@ -260,7 +260,10 @@ class Relay:
                         break
                     pieces = f.events(pieces)
                 if rewrites:
-                    chunk = pieces[0].raw if len(pieces) == 1 else b"".join(p.raw for p in pieces)
+                    if type(pieces) is Whole:  # no filter changed the read: it goes on as it came
+                        chunk = pieces.raw
+                    else:
+                        chunk = pieces[0].raw if len(pieces) == 1 else b"".join([p.raw for p in pieces])
             if chunk:
                 # No stamp of the read needed: nothing awaits between it and ``sending``, and the watch is
                 # stamped once the client took the chunk.

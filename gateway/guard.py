@@ -21,6 +21,7 @@ is missed: rare, and only a count).
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 
 from config.settings import GuardAction, GuardConfig
 from gateway.context import Attempt, RequestContext
@@ -28,7 +29,7 @@ from gateway.errors import UpstreamError
 from gateway.metrics import Metrics
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.shapes.base import OPENAI_FINISH, FinishKey
-from gateway.sse import Event, EventSplitter, Piece
+from gateway.sse import Event, EventSplitter, Piece, Whole
 
 log = logging.getLogger("warmroute.proxy")
 
@@ -64,7 +65,7 @@ class StreamGuard:
         self._finish = finish  # the shape's (``ApiShape.finish``): ``"finish_reason":``, ``"stop_reason":``
         self._finish_strings = finish.strings  # the key with a string value (packed events: anywhere)
         self._max_period = cfg.max_period
-        self._needed = [p * (cfg.repeat_count - 1) for p in range(cfg.max_period + 1)]
+        self._needed = _needed_runs(cfg.repeat_count, cfg.max_period)
         self._runs = [0] * (cfg.max_period + 1)
         self._history: list[bytes] = []
         self._events: EventSplitter | None = None  # only for ``feed``: the relay hands ``inspect`` events
@@ -84,7 +85,9 @@ class StreamGuard:
     def inspect(self, pieces: list[Piece]) -> bool:
         """Inspect the whole events among ``pieces`` (larger ones than 64 KiB are not looked at); True when
         they made the stream trip."""
-        if len(pieces) == 1:  # the common read: one event
+        if type(pieces) is Whole and len(pieces.raw) <= _MAX_EVENT:  # one read of whole events, as it came
+            data = pieces.raw
+        elif len(pieces) == 1:  # one event
             data = pieces[0].raw
             if not isinstance(pieces[0], Event) or len(data) > _MAX_EVENT:
                 return False
@@ -164,6 +167,12 @@ class StreamGuard:
             if value is not None:
                 reason = data[value[0] : value[1]].decode("ascii", "replace")
                 self.finish.append(labels.get(reason, "other"))
+
+
+@lru_cache(maxsize=8)
+def _needed_runs(repeat_count: int, max_period: int) -> tuple[int, ...]:
+    """Per period p, the repeats in a row of a p-delta unit that trip the guard (one tuple per config)."""
+    return tuple(p * (repeat_count - 1) for p in range(max_period + 1))
 
 
 def _string_at(data: bytes, pos: int, end: int) -> tuple[int, int] | None:

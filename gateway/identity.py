@@ -57,7 +57,7 @@ class KeyingMetrics(Protocol):
 class SessionIdentity:
     """The configured sources, in order; ``identify`` is called once per request with a conversation."""
 
-    __slots__ = ("agent_header", "agent_label", "body_roots", "names", "sources")
+    __slots__ = ("_roots", "agent_header", "agent_label", "body_roots", "names", "sources")
 
     def __init__(self, sources: Sequence[SessionSource], subagent_header: str | None = None) -> None:
         self.sources = tuple(sources)
@@ -71,6 +71,7 @@ class SessionIdentity:
         self.body_roots = tuple(
             dict.fromkeys(s.path[0] for s in self.sources if s.kind is not SourceKind.HEADER)
         )
+        self._roots = frozenset(self.body_roots)
 
     @classmethod
     def from_config(cls, routing: RoutingConfig) -> SessionIdentity:
@@ -93,8 +94,8 @@ class SessionIdentity:
         for k, v in headers:
             if k in names and k not in found:  # a header sent twice: its first value, as everywhere
                 found[k] = v
-        if not found and (body is None or not any(root in body for root in self.body_roots)):
-            return None  # the common request: no source can be present (one dict lookup per body root)
+        if not found and (body is None or self._roots.isdisjoint(body)):
+            return None  # the common request: no source can be present (one set lookup per body field)
         for source in self.sources:
             value = self._value(source, found, body)
             if not value:

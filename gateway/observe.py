@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from gateway.outcomes import RequestOutcome
-from gateway.sse import Event, EventSplitter, Piece
+from gateway.sse import Event, EventSplitter, Piece, Whole
 from routing.keys import REPLY_CHARS, reply_text
 from routing.types import Reason
 
@@ -144,7 +144,10 @@ class ResponseTap:
 
     def take(self, pieces: list[Piece]) -> None:
         """What the relay sends, as the relay's own splitter cut it into events (no splitter of its own)."""
-        chunk = pieces[0].raw if len(pieces) == 1 else b"".join(p.raw for p in pieces)
+        if type(pieces) is Whole:
+            chunk = pieces.raw
+        else:
+            chunk = pieces[0].raw if len(pieces) == 1 else b"".join([p.raw for p in pieces])
         self.body_bytes += len(chunk)
         self.events += chunk.count(b"data: ")
         tail = self._tail + chunk

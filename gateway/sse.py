@@ -76,6 +76,18 @@ class Unended:
 Piece = Event | Overflow | Unended
 
 
+class Whole(list[Piece]):
+    """Pieces that are exactly one read, cut into whole events (``raw``: that read). A filter that keeps them
+    as they are returns the same list; one that changes anything returns a new list (never edits this one),
+    so the relay and the tap can take ``raw`` instead of joining the events again."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        super().__init__()
+        self.raw = raw
+
+
 class EventSplitter:
     """Feed the reads of one stream; get back its events (and the parts of oversized ones) in order."""
 
@@ -108,14 +120,12 @@ class EventSplitter:
             self._bol
             and not self._held
             and not self._passing
-            and n > 2
-            and chunk.find(b"\n") == n - 2  # one-byte searches: memchr
-            and chunk[-1] == _LF
+            and not self._cr
             and n <= self.max_event
-            and chunk.find(b"\r") < 0  # not ``in``: see above
+            and chunk.endswith(b"\n\n")
+            and chunk.find(b"\r") < 0  # one-byte searches: memchr (not ``in``: see above)
         ):
-            self._cr = False
-            return [Event(chunk)]  # the common read: exactly one single-line event, LF-framed
+            return self._lf_events(chunk, n)  # the common read: whole events, LF-framed
         out: list[Piece] = []
         if not n:
             return out
@@ -148,6 +158,24 @@ class EventSplitter:
         self._cr = chunk[-1] == _CR
         if start < n:
             self._hold(chunk[start:], out)
+        return out
+
+    def _lf_events(self, chunk: bytes, n: int) -> Whole:
+        """A read of whole LF-framed events from a line start: each ends at its first LF LF (a blank line
+        alone is an event too), found with one-byte searches. The read ends in LF LF, so every search
+        finds one before the end."""
+        out = Whole(chunk)
+        start = 0
+        while start < n:
+            if chunk[start] == _LF:
+                end = start + 1  # a further blank line: bytes between events
+            else:
+                lf = chunk.find(b"\n", start)
+                while chunk[lf + 1] != _LF:
+                    lf = chunk.find(b"\n", lf + 2)
+                end = lf + 2
+            out.append(Event(chunk[start:end]))
+            start = end
         return out
 
     def close(self) -> bytes:

@@ -43,11 +43,17 @@ class VolatileStrip:
             return self.rules.without(_ENGINE_DROPS)
         return self.rules
 
+    def _may_hold(self, ctx: RequestContext) -> bool:
+        checked = ctx.volatile_checked  # the endpoint asked the same rules already (its keying metric)
+        if checked is not None and checked[0] is self.rules:
+            return checked[1]
+        return self.rules.may_hold(ctx.raw)
+
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         body = draft.read()
         if body is None or not self.rules:
             return
-        if ctx is not None and not self.rules.may_hold(ctx.raw):  # the client's bytes hold none
+        if ctx is not None and not self._may_hold(ctx):  # the client's bytes hold none
             return
         anthropic = "system" in body
         rules = self.rules_for(backend, ShapeName.MESSAGES if anthropic else ShapeName.CHAT)

@@ -49,7 +49,10 @@ def chat_key(body: Mapping[str, Any], volatile: VolatileRules = NO_RULES) -> str
         if isinstance(role, str) and role in SYSTEM_ROLES:
             content = volatile.drop_content(content)
         fields.append(str(role).encode())
-        fields.extend(canonical_parts(content))
+        if type(content) is str:  # the common message: ``canonical_parts``'s first case, without the call
+            fields.append(b"t" + content.encode())
+        else:
+            fields.extend(canonical_parts(content))
     return _digest(fields)
 
 

@@ -32,10 +32,11 @@ def turns_shape(messages: Iterable[Any], chars: Callable[[Mapping[str, Any]], in
         if not isinstance(msg, dict):
             continue
         n = chars(msg)
+        role = msg.get("role")
         if in_head:
             head += n
-            in_head = msg.get("role") != "user"
-        if msg.get("role") == "assistant":
+            in_head = role != "user"
+        if role == "assistant":
             replies += 1
             tail = 0
         else:
@@ -45,6 +46,8 @@ def turns_shape(messages: Iterable[Any], chars: Callable[[Mapping[str, Any]], in
 
 def message_chars(msg: Mapping[str, Any]) -> int:
     content = msg.get("content")
+    if type(content) is str and "tool_calls" not in msg:
+        return len(content)  # the common message: text, no tool calls
     n = 0
     if isinstance(content, str):
         n = len(content)

@@ -26,14 +26,16 @@ def validate(body: dict[str, Any]) -> str:
         role = msg.get("role")
         if not isinstance(role, str):
             raise BadRequest(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        check_text(role, f"messages[{i}].role")
+        if not role.isascii():  # the common role costs no call (and no parameter name built)
+            check_text(role, f"messages[{i}].role")
         content = msg.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise BadRequest(
                 f"messages[{i}].content must be a string or an array of parts", param=f"messages[{i}].content"
             )
         if in_head:
-            check_content(content, f"messages[{i}].content")
+            if type(content) is not str or not content.isascii():
+                check_content(content, f"messages[{i}].content")
             in_head = role != "user"
     check_common(body)
     return model
