@@ -20,6 +20,7 @@ from typing import Any
 from config.settings import ReasoningFields, RoutingConfig
 from gateway.errors import GatewayError
 from gateway.observe import ReplyText, Usage, parse_usage
+from gateway.quota_windows import RateLimitStyle
 from gateway.thinking import BudgetAsk, Thinking
 from routing.shape import Shape
 
@@ -136,3 +137,5 @@ class ApiShape:
     images: Images | None = None  # None: ``image_url`` parts in ``messages`` (gateway/vision.py)
     #: Its native route takes ``image_embeds`` parts, so ``vision: embeds`` backends can serve its images.
     embeds: bool = True
+    #: Whose rate-limit headers a quota writes on its answers and 429s (gateway/quota_windows.py).
+    ratelimit: RateLimitStyle = RateLimitStyle.OPENAI

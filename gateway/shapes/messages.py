@@ -29,6 +29,7 @@ from gateway.errors import BadRequest
 from gateway.images import ImagePart
 from gateway.inbound import check_common, check_text, require_model
 from gateway.observe import ReplyText, Usage
+from gateway.quota_windows import RateLimitStyle
 from gateway.shapes.anthropic_errors import ANTHROPIC_ERRORS
 from gateway.shapes.base import ApiShape, FinishKey, ThinkingUse
 from gateway.thinking import BudgetAsk, Thinking
@@ -291,6 +292,7 @@ MESSAGES = ApiShape(
     thinking_spell=spell_thinking,
     images=images,
     embeds=False,  # vLLM's Messages route has no image_embeds block: embeds backends are left out
+    ratelimit=RateLimitStyle.ANTHROPIC,
 )
 
 #: Routed where its conversation is pinned, without pinning; its answer (``{"input_tokens": N}``) has no
@@ -304,4 +306,5 @@ COUNT_TOKENS = ApiShape(
     usage=lambda _data: None,
     pins=False,
     turns=messages_shape,
+    ratelimit=RateLimitStyle.ANTHROPIC,
 )
