@@ -71,8 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--slow-factor", type=float, default=1.0, metavar="F", help="multiplies prefill/decode"
     )
     p.add_argument("--prefill-serial", action="store_true", help="one prefill at a time (FIFO)")
-    p.add_argument("--scheduling-policy", choices=c.SCHEDULING_POLICIES, default="fcfs",
-                   help="as vLLM's: who takes a free slot (priority: lowest 'priority' first, no preemption)")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=c.SCHEDULING_POLICIES,
+        default="fcfs",
+        help="as vLLM's: who takes a free slot (priority: lowest 'priority' first, no preemption)",
+    )
     p.add_argument(
         "--kv-events-endpoint",
         default=None,
