@@ -12,13 +12,30 @@ the same rules). Within a window:
 - a refusal counts nothing.
 
 ``MemoryQuotas`` is the one-process store; ``Verdict`` and ``reset_text`` are shared with the Redis one.
+
+The headers a window is told in follow the route's API (``RateLimitStyle``): OpenAI's
+``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` with a relative reset (``6m0s``), or Anthropic's
+``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` with the reset as an RFC 3339 instant
+(whole seconds, UTC, rounded up: a client waiting until then finds the window closed).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
+
+
+class RateLimitStyle(StrEnum):
+    """Which API's rate-limit headers a route's answers carry."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+#: The header families either style writes: the gateway's own replace an engine's of the same family.
+RATELIMIT_PREFIXES = (b"x-ratelimit-", b"anthropic-ratelimit-")
 
 
 class Exhausted(StrEnum):
@@ -55,18 +72,28 @@ class Verdict:
             return 1
         return max(1, math.ceil(self.reset_s))
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        """OpenAI's x-ratelimit-* trios for the limits that apply (``-requests``, ``-tokens``)."""
+    def headers(
+        self, style: RateLimitStyle = RateLimitStyle.OPENAI, wall_now: float = 0.0
+    ) -> list[tuple[bytes, bytes]]:
+        """The (limit, remaining, reset) trio of each limit that applies (``requests``, ``tokens``), named as
+        ``style``'s API names them; ``wall_now`` (Unix seconds) dates Anthropic's absolute reset."""
         out: list[tuple[bytes, bytes]] = []
-        reset = reset_text(self.reset_s).encode()
+        if style is RateLimitStyle.ANTHROPIC:
+            reset = reset_instant(wall_now + self.reset_s).encode()
+        else:
+            reset = reset_text(self.reset_s).encode()
         for name, limit, used in (
             (b"requests", self.limits.requests, self.requests),
             (b"tokens", self.limits.tokens, self.tokens),
         ):
-            if limit is not None:
-                out.append((b"x-ratelimit-limit-" + name, str(limit).encode()))
-                out.append((b"x-ratelimit-remaining-" + name, str(max(0, limit - used)).encode()))
-                out.append((b"x-ratelimit-reset-" + name, reset))
+            if limit is None:
+                continue
+            trio = ((b"limit", str(limit).encode()), (b"remaining", str(max(0, limit - used)).encode()))
+            for field_, value in (*trio, (b"reset", reset)):
+                if style is RateLimitStyle.ANTHROPIC:
+                    out.append((b"anthropic-ratelimit-" + name + b"-" + field_, value))
+                else:
+                    out.append((b"x-ratelimit-" + field_ + b"-" + name, value))
         return out
 
 
@@ -95,6 +122,12 @@ def reset_text(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs}s"
     return f"{secs}s"
+
+
+def reset_instant(unix_s: float) -> str:
+    """An instant as Anthropic's reset headers write it (RFC 3339, UTC, whole seconds rounded up):
+    ``2026-12-02T07:40:00Z``."""
+    return datetime.fromtimestamp(math.ceil(round(unix_s, 3)), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(slots=True)

@@ -4,8 +4,10 @@ Runs first among the admission modules, before routing: a request over its key's
 once (no on-demand engine is woken for it, it waits in no queue). The limits are the key's entry in
 ``quotas.keys``; a request without a client key, or of a key not listed, is not looked at (no cost).
 
-- Admitted: the window counts it, the key's in-flight count goes up, and its answer's head carries
-  OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers for the limits set.
+- Admitted: the window counts it, the key's in-flight count goes up, and its answer's head carries the
+  rate-limit headers of the route's API for the limits set (``ApiShape.ratelimit``: OpenAI's
+  ``x-ratelimit-*``, or Anthropic's ``anthropic-ratelimit-*`` on ``/v1/messages``), in place of any the
+  engine sent of either family: a client reads one set, the gateway's.
 - Refused: ``QuotaExceeded`` (429, code ``rate_limit_exceeded``, type ``requests``/``tokens``/``concurrent``)
   with ``Retry-After`` (seconds until the window closes; 1 for a concurrency refusal) and the same headers,
   in the route's error shape (the proxy renders it with ``ctx.shape.errors``).
@@ -30,7 +32,15 @@ from config.settings import KeyQuota, QuotasConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError
 from gateway.metrics import QuotaMetrics
-from gateway.quota_windows import Exhausted, Limits, MemoryQuotas, Verdict, reset_text
+from gateway.quota_windows import (
+    RATELIMIT_PREFIXES,
+    Exhausted,
+    Limits,
+    MemoryQuotas,
+    RateLimitStyle,
+    Verdict,
+    reset_text,
+)
 from gateway.redis_quotas import QuotaUnavailable
 from gateway.throttle import LogThrottle
 
@@ -69,7 +79,13 @@ class QuotaExceeded(GatewayError):
     status = 429
     code = "rate_limit_exceeded"
 
-    def __init__(self, client: str, verdict: Verdict) -> None:
+    def __init__(
+        self,
+        client: str,
+        verdict: Verdict,
+        style: RateLimitStyle = RateLimitStyle.OPENAI,
+        wall_now: float = 0.0,
+    ) -> None:
         refused = verdict.refused
         assert refused is not None
         limits = verdict.limits
@@ -87,13 +103,16 @@ class QuotaExceeded(GatewayError):
         super().__init__(f"Rate limit reached for client key {client!r} on {what}. Please try again {wait}.")
         self.type = refused.value
         self.verdict = verdict
+        self.style, self.wall_now = style, wall_now
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"retry-after", str(self.verdict.retry_after_s()).encode()), *self.verdict.headers()]
+        retry = (b"retry-after", str(self.verdict.retry_after_s()).encode())
+        return [retry, *self.verdict.headers(self.style, self.wall_now)]
 
 
 class QuotaSend:
-    """The client's ``send``, adding the admitted request's x-ratelimit-* headers to its response head."""
+    """The client's ``send``, putting the admitted request's rate-limit headers on its response head in
+    place of the engine's own (``x-ratelimit-*``, ``anthropic-ratelimit-*``): each name once, ours."""
 
     __slots__ = ("extra", "send")
 
@@ -103,7 +122,8 @@ class QuotaSend:
 
     async def __call__(self, message: Message) -> None:
         if self.extra and message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *self.extra]}
+            kept = [h for h in message.get("headers", ()) if not h[0].lower().startswith(RATELIMIT_PREFIXES)]
+            message = {**message, "headers": [*kept, *self.extra]}
         await self.send(message)
 
 
@@ -129,10 +149,17 @@ class QuotaClaim:
 
 
 class Quotas:
-    def __init__(self, cfg: QuotasConfig, store: QuotaStore, metrics: QuotaMetrics) -> None:
+    def __init__(
+        self,
+        cfg: QuotasConfig,
+        store: QuotaStore,
+        metrics: QuotaMetrics,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
         self.store = store
         self.metrics = metrics
+        self.wall = wall  # dates Anthropic's absolute reset instants
         self.limits = {name: limits_of(q, cfg.window_s) for name, q in cfg.keys.items()}
         self._quiet = LogThrottle(30.0)
 
@@ -150,12 +177,13 @@ class Quotas:
             self.unavailable(str(exc))
             self.metrics.counted(key, UNCHECKED)
             return None
+        style = ctx.shape.ratelimit
         if verdict.refused is not None:
             self.metrics.counted(key, verdict.refused.value)
-            raise QuotaExceeded(key, verdict)
+            raise QuotaExceeded(key, verdict, style, self.wall())
         self.metrics.counted(key, ADMITTED)
         if isinstance(send, QuotaSend):
-            send.extra = verdict.headers()
+            send.extra = verdict.headers(style, self.wall())
         return QuotaClaim(self, key, limits, ctx)
 
     def unavailable(self, why: str) -> None:

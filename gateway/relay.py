@@ -28,7 +28,7 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 
 #: Engine response headers a client relies on (rate limits, back-off, redirects, correlation).
 _RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
-_RELAYED_PREFIX = b"x-ratelimit-"
+_RELAYED_PREFIX = (b"x-ratelimit-", b"anthropic-ratelimit-")
 
 
 def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> tuple[bool, Message]:

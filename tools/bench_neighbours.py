@@ -1,13 +1,18 @@
 """``warmroute bench --scenario noisy-neighbour``: one shared engine, a flood and a person, admission on/off.
 
-One simulated engine runs ``MAX_RUNNING`` requests at a time and queues the rest first-come-first-served
-(like vLLM's default scheduler). Client A (key ``flood``) keeps ``FLOOD`` long streams in flight; client B
-(key ``person``) asks short questions one at a time. Each variant starts its own gateway:
+One simulated engine runs ``MAX_RUNNING`` requests at a time and queues the rest by vLLM's priority policy
+(``--scheduling-policy priority``: lowest ``priority`` first, then arrival; a request without one is 0, so
+variants that send none are queued first-come-first-served, as by vLLM's default scheduler). Client A
+(key ``flood``) keeps ``FLOOD`` long streams in flight; client B (key ``person``) asks short questions one at
+a time. Each variant starts its own gateway:
 
 - ``alone`` / ``alone+admission``: B without A, admission off / on (B's baseline);
 - ``flood`` / ``flood+admission``: A and B; with admission A's key is ``batch`` and B's ``interactive``;
 - ``flood+admission@headroom``: the same, the batch class leaving the engine's last slot free;
 - ``flood+admission@one-class``: A and B in the same class (fair share alone decides).
+- ``flood+engine-priority``: the gateway holds nothing back (a bound above A's streams) and tells the
+  engine each class's rank as ``priority``: B waits at the head of the engine's own queue instead of the
+  gateway's (the engine preempts no running request for it, as vLLM does not for a full batch).
 
 Reported per variant: B's TTFT p50 and p95, B's turns, the engine's completion tokens per second over
 the run (A's and B's), so admission's cost in throughput shows next to its gain in latency, and the median
@@ -46,6 +51,7 @@ VARIANTS = (
     "flood+admission",
     "flood+admission@headroom",
     "flood+admission@one-class",
+    "flood+engine-priority",
 )
 SCENARIOS = {
     "noisy-neighbour": "B's TTFT p95 with A <= 1.5x B alone (A batch, B interactive); "
@@ -75,7 +81,8 @@ def body(max_tokens: int, text: str) -> dict[str, Any]:
 def start_engine(launch: Launcher, profile: SimProfile) -> Engine:
     port = free_port()
     argv = procs.python("-m", "backends.sim", "--port", str(port), "--name", "engine-1", "--model", MODEL)
-    argv += [*profile.argv(), "--max-running", str(MAX_RUNNING), "--log-level", "warning"]
+    argv += [*profile.argv(), "--max-running", str(MAX_RUNNING), "--scheduling-policy", "priority"]
+    argv += ["--log-level", "warning"]
     child = launch._spawn("engine-1", port, argv)
     launch._wait(child, "/health", procs.ok)
     return Engine(child.name, child.url)
@@ -85,6 +92,8 @@ def start_gateway(launch: Launcher, engine: Engine, variant: str, name: str) -> 
     port = free_port()
     keys = [{"name": n, "key": k} for n, k in KEYS.items()]
     admission: dict[str, Any] = {"enabled": "+admission" in variant, "max_in_flight": MAX_RUNNING}
+    if variant.endswith("+engine-priority"):  # every request reaches the engine, ranked
+        admission |= {"enabled": True, "max_in_flight": FLOOD + 8, "engine_priority": [engine.id]}
     if not variant.endswith("@one-class"):
         admission["clients"] = {"flood": "batch", "person": "interactive"}
     if variant.endswith("@headroom"):  # the engine's last slot is kept for interactive turns

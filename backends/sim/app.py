@@ -100,7 +100,7 @@ class SimHandlers:
         self, req: SimRequest, plan: OutputPlan, usage: RequestUsage, head: ResponseHead
     ) -> AsyncGenerator[bytes, None]:
         opened = head.endpoint is not Endpoint.CHAT
-        async with aclosing(self.engine.generate(req.prompt_tokens, plan, usage)) as pieces:
+        async with aclosing(self.engine.generate(req.prompt_tokens, plan, usage, req.priority)) as pieces:
             async for kind, text in pieces:
                 if not opened:
                     opened = True

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill-serial", action="store_true", help="one prefill at a time (FIFO)")
     p.add_argument(
+        "--scheduling-policy",
+        choices=c.SCHEDULING_POLICIES,
+        default="fcfs",
+        help="as vLLM's: who takes a free slot (priority: lowest 'priority' first, no preemption)",
+    )
+    p.add_argument(
         "--kv-events-endpoint",
         default=None,
         metavar="ENDPOINT",
@@ -123,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         reasoning_tokens=args.reasoning_tokens,
         reasoning=args.reasoning,
         prefill_serial=args.prefill_serial,
+        scheduling_policy=args.scheduling_policy,
         time_scale=args.time_scale,
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,

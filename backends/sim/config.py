@@ -15,6 +15,7 @@ DEFAULT_DECODE_SLOWDOWN = 0.05
 DEFAULT_CACHE_TOKENS = 200_000
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_RUNNING = 64
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 DEFAULT_MAX_MODEL_LEN = 131_072
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_ANSWER_TOKENS = (8, 64)
@@ -63,6 +64,11 @@ class SimConfig:
       i.e. per-stream speed = decode_tps / (1 + decode_slowdown * (R - 1)).
     - ``kv_events_endpoint``: publish KV cache events there (a ZMQ PUB socket bound to it, vLLM's format);
       None: off.
+    - ``scheduling_policy``: which waiting request takes the next free running slot, as vLLM's
+      ``--scheduling-policy``: ``fcfs``, the oldest; ``priority``, the lowest ``priority`` value of the
+      request (then the oldest). As in vLLM, a waiting request never preempts a running one for its slot
+      (vLLM preempts only when KV blocks run out, which this simulator does not model), and under
+      ``fcfs`` a request with a non-zero ``priority`` is refused (400).
     - ``prefill_serial``: prefills run one at a time, first come first served (a real engine's prefill
       token budget is shared by the requests in it); the cache is looked up when a prefill starts, so a
       request queued behind the same prefix hits it. Off: every prefill runs in parallel.
@@ -93,6 +99,7 @@ class SimConfig:
     reasoning_tokens: tuple[int, int] = DEFAULT_REASONING_TOKENS
     reasoning: bool = False
     prefill_serial: bool = False
+    scheduling_policy: str = "fcfs"
     time_scale: float = 1.0
     seed: int = 0
     kv_events_endpoint: str | None = None
@@ -114,6 +121,8 @@ class SimConfig:
             raise ValueError("block_size must be >= 1 and cache_tokens >= 0")
         if self.max_running < 1 or self.max_model_len < 1 or self.default_max_tokens < 1:
             raise ValueError("max_running, max_model_len and default_max_tokens must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         for low, high in (self.answer_tokens, self.reasoning_tokens):
             if not 0 <= low <= high:
                 raise ValueError("token ranges must satisfy 0 <= min <= max")

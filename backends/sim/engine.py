@@ -7,9 +7,10 @@ futures, so no asyncio primitive is bound to a loop at construction.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,10 @@ class SimEngine:
         self._sleep_fn: Sleep = sleep or asyncio.sleep
         self._ids = itertools.count(1)
         self._held: dict[int, int] = {}  # running request id -> tokens in its KV blocks
-        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # Waiting requests in the order they take a slot: (priority or 0 under fcfs, request id), the id
+        # being arrival order; the future is resolved when the slot is handed over.
+        self._waiting: list[tuple[tuple[int, int], asyncio.Future[None]]] = []
+        self._by_priority = cfg.scheduling_policy == "priority"
         self._prefill_lock: asyncio.Lock | None = None  # made on first use: bound to the running loop
         self._prefill_waiters = 0  # admitted, waiting for the serial prefill (vLLM counts them as waiting)
 
@@ -102,14 +106,15 @@ class SimEngine:
 
     # -- admission ------------------------------------------------------------------------------------------
 
-    async def _admit(self, request_id: int) -> None:
-        """Take a running slot now, or queue FIFO until ``_wake_next`` hands one over."""
+    async def _admit(self, request_id: int, priority: int) -> None:
+        """Take a running slot now, or wait in the policy's order until ``_wake_next`` hands one over (a
+        running request keeps its slot whatever arrives: no preemption, as vLLM for a full batch)."""
         if len(self._held) < self.cfg.max_running and not self._waiting:
             self._held[request_id] = 0
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (request_id, waiter)
-        self._waiting.append(entry)
+        entry = ((priority if self._by_priority else 0, request_id), waiter)
+        bisect.insort(self._waiting, entry, key=lambda e: e[0])
         try:
             await waiter
         except BaseException:
@@ -126,7 +131,7 @@ class SimEngine:
     def _wake_next(self) -> None:
         # The slot is taken on the waiter's behalf here, so a newcomer cannot slip in before it resumes.
         while self._waiting and len(self._held) < self.cfg.max_running:
-            request_id, waiter = self._waiting.popleft()
+            (_, request_id), waiter = self._waiting.pop(0)
             if not waiter.done():
                 self._held[request_id] = 0
                 waiter.set_result(None)
@@ -148,16 +153,17 @@ class SimEngine:
     # -- one request ----------------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: Sequence[str], plan: OutputPlan, usage: RequestUsage
+        self, prompt: Sequence[str], plan: OutputPlan, usage: RequestUsage, priority: int = 0
     ) -> AsyncGenerator[tuple[PieceKind, str], None]:
-        """Wait for a slot, prefill (TTFT), then yield one (kind, text) piece per decode step.
+        """Wait for a slot (``priority`` orders the wait under the priority policy), prefill (TTFT), then
+        yield one (kind, text) piece per decode step.
 
         The slot is released however the consumer stops (finish, cancellation on client disconnect, close).
         """
         request_id = next(self._ids)
         prompt_hashes = block_hashes(prompt, self.cfg.block_size)
         self.stats.requests += 1
-        await self._admit(request_id)
+        await self._admit(request_id, priority)
         generated: list[str] = []
         prefilled = finished = False
         try:

@@ -66,6 +66,7 @@ class SimRequest:
     stream: bool
     include_usage: bool
     spec: OutputSpec
+    priority: int = 0  # vLLM's request field: lower is scheduled first under the priority policy
 
 
 # -- request validation ------------------------------------------------------------------------------------
@@ -210,7 +211,16 @@ def parse_request(raw: bytes, endpoint: Endpoint, cfg: SimConfig) -> SimRequest:
         thinking_budget=optional_int(body, "thinking_token_budget", 0),
         request_seed=optional_int(body, "seed", -(2**63)),
     )
-    return SimRequest(endpoint, model, prompt_text, prompt_tokens, stream, include_usage, spec)
+    priority = _priority(body, cfg)
+    return SimRequest(endpoint, model, prompt_text, prompt_tokens, stream, include_usage, spec, priority)
+
+
+def _priority(body: Mapping[str, Any], cfg: SimConfig) -> int:
+    """The request's ``priority`` (any integer, 0 when absent); non-zero only under the priority policy."""
+    priority = optional_int(body, "priority", -(2**63)) or 0
+    if priority and cfg.scheduling_policy != "priority":
+        raise bad_request(f"'priority' is {priority}, but this engine does not schedule by priority")
+    return priority
 
 
 # -- response bodies ---------------------------------------------------------------------------------------

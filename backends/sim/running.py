@@ -71,6 +71,6 @@ async def start(engine: SimEngine, req: SimRequest) -> OutputPlan:
 
 
 async def run_to_end(engine: SimEngine, req: SimRequest, plan: OutputPlan, usage: RequestUsage) -> None:
-    async with aclosing(engine.generate(req.prompt_tokens, plan, usage)) as pieces:
+    async with aclosing(engine.generate(req.prompt_tokens, plan, usage, req.priority)) as pieces:
         async for _ in pieces:
             pass

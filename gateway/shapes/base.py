@@ -20,6 +20,7 @@ from typing import Any
 from config.settings import ReasoningFields, RoutingConfig
 from gateway.errors import GatewayError
 from gateway.observe import ReplyText, Usage, parse_usage
+from gateway.quota_windows import RateLimitStyle
 from gateway.thinking import BudgetAsk, Thinking
 from routing.shape import Shape
 
@@ -140,3 +141,5 @@ class ApiShape:
     #: (gateway/translation.py), whose ``image_embeds`` parts the sidecar fills. False: such backends are
     #: left out of its image requests.
     embeds_via_chat: bool = False
+    #: Whose rate-limit headers a quota writes on its answers and 429s (gateway/quota_windows.py).
+    ratelimit: RateLimitStyle = RateLimitStyle.OPENAI

@@ -29,6 +29,7 @@ from gateway.errors import BadRequest
 from gateway.images import ImagePart
 from gateway.inbound import check_common, check_text, require_model
 from gateway.observe import ReplyText, Usage
+from gateway.quota_windows import RateLimitStyle
 from gateway.shapes.anthropic_errors import ANTHROPIC_ERRORS
 from gateway.shapes.base import ApiShape, FinishKey, ThinkingUse
 from gateway.thinking import BudgetAsk, Thinking
@@ -309,6 +310,7 @@ MESSAGES = ApiShape(
     # with images on an embeds backend goes as chat (gateway/translation.py), which takes them.
     embeds=False,
     embeds_via_chat=True,
+    ratelimit=RateLimitStyle.ANTHROPIC,
 )
 
 #: Routed where its conversation is pinned, without pinning; its answer (``{"input_tokens": N}``) has no
@@ -322,4 +324,5 @@ COUNT_TOKENS = ApiShape(
     usage=lambda _data: None,
     pins=False,
     turns=messages_shape,
+    ratelimit=RateLimitStyle.ANTHROPIC,
 )

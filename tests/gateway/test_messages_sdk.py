@@ -4,6 +4,7 @@ messages, streams and token counts work, and the gateway's errors read as the SD
 from __future__ import annotations
 
 import functools
+from datetime import UTC, datetime
 
 import anthropic
 import pytest
@@ -89,3 +90,27 @@ def test_a_stream_that_breaks_raises_the_sdk_s_api_error(cluster: ClusterFactory
     assert seen == ["", "a-0 ", "a-1 "] or seen == ["a-0 ", "a-1 "]
     assert broken.value.body["error"]["type"] == "api_error"
     c.wait_idle()
+
+
+def test_a_quota_refusal_reads_as_the_sdks_rate_limit_error_with_its_headers(cluster: ClusterFactory) -> None:
+    c = cluster(
+        engines=[AnthropicEngine("a")],
+        auth={"client_keys": [{"name": "team", "key": KEY}]},
+        quotas={"keys": {"team": {"requests_per_window": 1, "tokens_per_window": 100_000}}, "window_s": 30},
+    )
+    sdk = client(c)  # max_retries=0: the 429 is observed, not retried
+    ok = sdk.messages.with_raw_response.create(model="m", max_tokens=64, messages=USER)
+    assert ok.headers["anthropic-ratelimit-requests-remaining"] == "0"
+    assert "x-ratelimit-limit-requests" not in ok.headers
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        sdk.messages.create(model="m", max_tokens=64, messages=USER)
+    headers = refused.value.response.headers
+    assert refused.value.status_code == 429 and refused.value.type == "rate_limit_error"
+    assert headers["anthropic-ratelimit-requests-limit"] == "1"
+    assert headers["anthropic-ratelimit-requests-remaining"] == "0"
+    reset = datetime.fromisoformat(headers["anthropic-ratelimit-requests-reset"])
+    assert reset.tzinfo is not None and 0 < (reset - datetime.now(UTC)).total_seconds() <= 31
+    assert 1 <= int(headers["retry-after"]) <= 30
+    # what the SDK itself would wait before a retry: the gateway's Retry-After (it honours up to 60 s)
+    assert sdk._parse_retry_after_header(headers) == float(headers["retry-after"])
+    assert len(c.engines["a"].requests) == 1  # the refused request never reached the engine

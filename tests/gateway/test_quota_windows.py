@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.quota_windows import Exhausted, Limits, MemoryQuotas, Verdict, reset_text
+from gateway.quota_windows import (
+    Exhausted,
+    Limits,
+    MemoryQuotas,
+    RateLimitStyle,
+    Verdict,
+    reset_instant,
+    reset_text,
+)
 
 
 def test_the_nth_request_of_a_window_is_admitted_and_the_next_refused_until_it_closes() -> None:
@@ -98,6 +106,32 @@ def test_headers_are_openais_trios_for_the_limits_set() -> None:
     ]
     assert overspent.retry_after_s() == 1
     assert Verdict(Limits(concurrent=1), None, 1, 0, 60).headers() == []
+
+
+def test_anthropic_headers_name_each_limit_first_and_date_the_reset() -> None:
+    both = Verdict(Limits(requests=60, tokens=1000), None, 1, 250, 59.5)
+    assert both.headers(RateLimitStyle.ANTHROPIC, 1_796_198_400.0) == [  # 2026-12-02T08:00:00Z
+        (b"anthropic-ratelimit-requests-limit", b"60"),
+        (b"anthropic-ratelimit-requests-remaining", b"59"),
+        (b"anthropic-ratelimit-requests-reset", b"2026-12-02T08:01:00Z"),  # 59.5 s later, rounded up
+        (b"anthropic-ratelimit-tokens-limit", b"1000"),
+        (b"anthropic-ratelimit-tokens-remaining", b"750"),
+        (b"anthropic-ratelimit-tokens-reset", b"2026-12-02T08:01:00Z"),
+    ]
+    assert Verdict(Limits(concurrent=1), None, 1, 0, 60).headers(RateLimitStyle.ANTHROPIC, 0.0) == []
+
+
+@pytest.mark.parametrize(
+    ("unix_s", "text"),
+    [
+        (0.0, "1970-01-01T00:00:00Z"),
+        (1_796_198_400.0, "2026-12-02T08:00:00Z"),
+        (1_796_198_400.0004, "2026-12-02T08:00:00Z"),  # under a millisecond is not a second later
+        (1_796_198_400.2, "2026-12-02T08:00:01Z"),
+    ],
+)
+def test_reset_instants_are_rfc3339_utc_whole_seconds_rounded_up(unix_s: float, text: str) -> None:
+    assert reset_instant(unix_s) == text
 
 
 @pytest.mark.parametrize(

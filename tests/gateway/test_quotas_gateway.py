@@ -25,6 +25,7 @@ from gateway.redis_keys import RedisKeys
 from gateway.redis_quotas import QuotaUnavailable, RedisQuotas
 from gateway.redis_store import redis_pool
 from gateway.shapes.base import ApiShape, ErrorShape
+from gateway.shapes.messages import MESSAGES
 from gateway.shapes.table import CHAT
 from gateway.transport import UpstreamConnectError
 from routing.policies.round_robin import RoundRobinPolicy
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.anyio
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream")]
 HOUR = 3600
+WALL = 1_796_200_000.25  # the wall clock the quotas date Anthropic's resets from: 2026-12-02T08:26:40.25Z
 
 
 def answer(prompt: int = 40, completion: int = 70) -> Reply:
@@ -63,7 +65,7 @@ class Rig(OneBackend):
     def __init__(self, keys: dict[str, Any]) -> None:
         super().__init__(quotas={"keys": keys, "window_s": HOUR})
         self.store = AnnouncedQuotas()
-        self.quotas = Quotas(self.settings.quotas, self.store, self.metrics.quotas())
+        self.quotas = Quotas(self.settings.quotas, self.store, self.metrics.quotas(), wall=lambda: WALL)
         self.proxy = self.build_proxy(self.quotas)
 
     def counter(self, client: str, outcome: str) -> float:
@@ -86,7 +88,7 @@ def context(client: str | None, *, stream: bool = False, shape: ApiShape = CHAT)
 
 
 def ratelimit(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in headers if k.startswith((b"x-ratelimit-", b"retry-after"))]
+    return [(k, v) for k, v in headers if k.startswith((b"x-ratelimit-", b"anthropic-ratelimit-", b"retry-"))]
 
 
 async def test_the_request_past_the_window_gets_a_429_with_openais_headers_and_body() -> None:
@@ -271,3 +273,59 @@ async def test_an_unreachable_shared_state_admits_unchecked_with_one_warning(
     with pytest.raises(QuotaUnavailable):
         await rig.quotas.store.state("alice", Limits(requests=1))
     await client.aclose()
+
+
+async def test_messages_answers_and_429s_carry_anthropics_headers_with_an_rfc3339_reset() -> None:
+    rig = Rig({"alice": {"requests_per_window": 2, "tokens_per_window": 1000}})
+    rig.fake.script("http://a", answer(), answer())
+    _, first, _ = await ProxyClient(rig, context("alice", shape=MESSAGES)).answer()
+    assert ratelimit(first) == [
+        (b"anthropic-ratelimit-requests-limit", b"2"),
+        (b"anthropic-ratelimit-requests-remaining", b"1"),
+        (b"anthropic-ratelimit-requests-reset", b"2026-12-02T09:26:41Z"),  # WALL + 1 h, rounded up
+        (b"anthropic-ratelimit-tokens-limit", b"1000"),
+        (b"anthropic-ratelimit-tokens-remaining", b"1000"),
+        (b"anthropic-ratelimit-tokens-reset", b"2026-12-02T09:26:41Z"),
+    ]
+    await ProxyClient(rig, context("alice", shape=MESSAGES)).answer()
+    status, headers, body = await ProxyClient(rig, context("alice", shape=MESSAGES)).answer()
+    assert status == 429
+    assert ratelimit(headers) == [
+        (b"retry-after", b"3600"),
+        (b"anthropic-ratelimit-requests-limit", b"2"),
+        (b"anthropic-ratelimit-requests-remaining", b"0"),
+        (b"anthropic-ratelimit-requests-reset", b"2026-12-02T09:26:41Z"),
+        (b"anthropic-ratelimit-tokens-limit", b"1000"),
+        (b"anthropic-ratelimit-tokens-remaining", b"960"),  # chat-shaped usage: each charged its prompt
+        (b"anthropic-ratelimit-tokens-reset", b"2026-12-02T09:26:41Z"),
+    ]
+    assert json.loads(body)["error"]["type"] == "rate_limit_error"
+    await rig.idle("alice")
+
+
+@pytest.mark.parametrize("shape", [CHAT, MESSAGES], ids=["chat", "messages"])
+async def test_the_engines_own_rate_limit_headers_give_way_to_the_gateways(shape: ApiShape) -> None:
+    rig = Rig({"alice": {"requests_per_window": 5}})
+    engines = [
+        (b"x-ratelimit-limit-requests", b"999"),
+        (b"x-ratelimit-remaining-requests", b"998"),
+        (b"anthropic-ratelimit-requests-limit", b"999"),
+        (b"retry-after", b"7"),
+    ]
+    reply = answer()
+    rig.fake.script("http://a", dataclasses.replace(reply, headers=[*reply.headers, *engines]))
+    rig.fake.script("http://a", dataclasses.replace(reply, headers=[*reply.headers, *engines]))
+    _, limited, _ = await ProxyClient(rig, context("alice", shape=shape)).answer()
+    names = [k for k, _ in ratelimit(limited)]
+    assert len(names) == len(set(names))  # every name once
+    ours = dict(ratelimit(limited))
+    if shape is MESSAGES:
+        assert [k for k in names if k.startswith(b"x-ratelimit-")] == []
+        assert ours[b"anthropic-ratelimit-requests-limit"] == b"5"
+        assert ours[b"anthropic-ratelimit-requests-remaining"] == b"4"
+    else:
+        assert ours[b"x-ratelimit-limit-requests"] == b"5" and ours[b"x-ratelimit-remaining-requests"] == b"4"
+        assert b"anthropic-ratelimit-requests-limit" not in ours
+    assert ours[b"retry-after"] == b"7"  # not a rate-limit header of ours: the engine's back-off stands
+    _, unlimited, _ = await ProxyClient(rig, context(None, shape=shape)).answer()
+    assert ratelimit(unlimited) == engines  # no quota of ours: the engine's headers reach the client as sent

@@ -195,3 +195,21 @@ async def test_two_simulators_in_one_process_keep_separate_metrics() -> None:
         assert metric_values((await a.get("/metrics")).text)["vllm:generation_tokens_total"] == 2
         assert metric_values((await b.get("/metrics")).text)["vllm:generation_tokens_total"] == 0
         assert (await b.get("/health")).headers["x-sim-name"] == "b"
+
+
+async def test_priority_is_taken_under_the_priority_policy_and_refused_under_fcfs(
+    client: httpx.AsyncClient,
+) -> None:
+    assert (
+        await client.post("/v1/chat/completions", json=chat("x", max_tokens=2, priority=0))
+    ).status_code == 200
+    refused = await client.post("/v1/chat/completions", json=chat("x", max_tokens=2, priority=3))
+    assert refused.status_code == 400 and "priority" in refused.json()["error"]["message"]
+    async with asgi_client(SimConfig(time_scale=0, scheduling_policy="priority")) as by_priority:
+        for priority in (3, -1):
+            r = await by_priority.post(
+                "/v1/chat/completions", json=chat("x", max_tokens=2, priority=priority)
+            )
+            assert r.status_code == 200
+        r = await by_priority.post("/v1/chat/completions", json=chat("x", max_tokens=2, priority="high"))
+        assert r.status_code == 400

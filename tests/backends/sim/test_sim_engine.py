@@ -159,3 +159,35 @@ async def test_a_request_aborted_during_prefill_caches_nothing() -> None:
     await asyncio.gather(task, return_exceptions=True)
     assert (engine.num_running, len(engine.cache)) == (0, 0)
     assert engine.stats.finished == {"abort": 1}
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", ["b", "c", "d", "e"]), ("priority", ["c", "e", "b", "d"])]
+)
+async def test_a_free_slot_goes_by_the_scheduling_policy_and_a_running_request_is_never_preempted(
+    recorder: SleepRecorder, policy: str, order: list[str]
+) -> None:
+    engine = SimEngine(SimConfig(max_running=1, scheduling_policy=policy), recorder)
+    holder = engine.generate(prompt(4, "a"), plan(2), RequestUsage(4), priority=9)
+    await anext(holder)
+    started: list[str] = []
+
+    async def ask(tag: str, priority: int) -> None:
+        async for _ in engine.generate(prompt(4, tag), plan(1), RequestUsage(4), priority):
+            started.append(tag)
+
+    waiters = []
+    for tag, priority in (("b", 5), ("c", 0), ("d", 5), ("e", 0)):  # arrival order
+        waiters.append(asyncio.create_task(ask(tag, priority)))
+        await asyncio.sleep(0)
+    assert (engine.num_running, engine.num_waiting) == (1, 4)
+    await anext(holder)  # the worst-priority request kept its slot through every arrival
+    with pytest.raises(StopAsyncIteration):
+        await anext(holder)
+    await asyncio.gather(*waiters)
+    assert started == order
+
+
+def test_a_scheduling_policy_vllm_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SimConfig(scheduling_policy="lifo")
