@@ -155,3 +155,21 @@ def test_a_pin_whose_cache_holds_little_of_the_history_stays_unless_elsewhere_is
     assert (d.backend, d.reason, d.pin) == ("a", Reason.AFFINITY_HIT, PinAction.TOUCH)
     d = POLICY.select([home._replace(prefilling=10_000), other], r, 0.0)
     assert d.backend == "b" and d.reason in (Reason.SPILL_OVERLOAD, Reason.MOVE_CHEAPER)
+
+
+def test_a_turn_leaving_a_home_that_evicted_it_goes_where_it_fits_not_where_it_evicts() -> None:
+    # Home's events say it evicted the history (cold there, no margin). "full" has the shorter queue but
+    # no room: arriving there evicts a conversation's worth, paid in the move; "roomy" does not.
+    r = req(pinned="a", prompt_tokens=3000, tail_tokens=300, turn_tokens=600, kv_held=(("a", 0),))
+    home = Candidate("a", READY, 0, 2, 1.0, 3000, 1000.0, -1, 1.0, 16_000)
+    full = Candidate("full", READY, 0, 4, 1.0, 0, 1000.0, -1, 1.0, 14_000)
+    roomy = Candidate("roomy", READY, 0, 1, 1.0, 500, 1000.0, -1, 1.0, 16_000)
+    assert overflow_tokens(full, r) == 3600 and overflow_tokens(roomy, r) == 0
+    d = POLICY.select([home, full, roomy], r, 0.0)
+    assert (d.backend, d.reason, d.pin) == ("roomy", Reason.MOVE_CHEAPER, PinAction.MOVE)
+    # Where no other engine has room, the cold turn waits at home (which has) rather than evict elsewhere;
+    # without the sizes it would leave for the shorter queue.
+    d = POLICY.select([home, full, roomy._replace(kv_capacity=3000)], r, 0.0)
+    assert (d.backend, d.reason) == ("a", Reason.AFFINITY_HIT)
+    unsized = [c._replace(kv_capacity=0) for c in (home, full, roomy)]
+    assert POLICY.select(unsized, r, 0.0).backend != "a"
