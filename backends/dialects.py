@@ -138,6 +138,8 @@ class SignalNames:
     spec_accepted: tuple[str, ...] = ()  # counters (tokens)
     spec_draft: tuple[str, ...] = ()
     spec_accept_length: tuple[str, ...] = ()  # mean accepted length (a gauge)
+    #: An info gauge whose ``num_gpu_blocks`` and ``block_size`` labels give the KV cache size (tokens).
+    kv_capacity: tuple[str, ...] = ()
 
     def all(self) -> frozenset[str]:
         return frozenset(name for f in fields(self) for name in getattr(self, f.name))
@@ -187,6 +189,7 @@ _VLLM_SIGNALS = SignalNames(
                  "vllm:gpu_prefix_cache_hits"),
     spec_accepted=("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens"),
     spec_draft=("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens"),
+    kv_capacity=("vllm:cache_config_info",),
 )  # fmt: skip
 _SGLANG_SIGNALS = SignalNames(
     waiting=("sglang:num_queue_reqs",),

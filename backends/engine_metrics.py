@@ -7,6 +7,8 @@ vLLM (V1) exposes the prefix-cache counters ``vllm:prefix_cache_queries_total`` 
 ``vllm:prefix_cache_hits_total`` (both in tokens) and the gauges ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``, one series per model name (and per engine core in newer versions). The
 simulator exposes the same names. Values are summed over label sets; a missing series is simply absent.
+The one labelled exception is vLLM's ``vllm:cache_config_info`` (value 1): it is read as the KV cache size
+in tokens, its ``num_gpu_blocks`` label times its ``block_size`` label.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PREFIX_HITS = _VLLM.prefix_hits[0]
 RUNNING = _VLLM.running[0]
 WAITING = _VLLM.waiting[0]
 
+CACHE_CONFIG = _VLLM.kv_capacity[0]
 CACHE_COUNTERS = (PREFIX_QUERIES, PREFIX_HITS)
 QUEUE_GAUGES = (RUNNING, WAITING)
 
@@ -48,6 +51,10 @@ def parse_samples(text: str, names: Collection[str]) -> dict[str, float]:
         if name not in names:
             continue
         rest = line[line.rindex("}") + 1 :] if labelled else line[space:]
+        if name == CACHE_CONFIG:
+            if (tokens := _capacity_tokens(line[brace : line.rindex("}")])) is not None:
+                totals[name] = totals.get(name, 0.0) + tokens
+            continue
         fields = rest.split()
         if not fields:
             continue
@@ -58,6 +65,28 @@ def parse_samples(text: str, names: Collection[str]) -> dict[str, float]:
         if not math.isnan(value):
             totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def _label(labels: str, name: str) -> str | None:
+    """The value of label ``name`` in ``{a="1",b="2"`` (values of these labels hold no quotes)."""
+    start = labels.find(f'{name}="')
+    while start > 0 and labels[start - 1] not in "{, ":  # a longer label name ending in ``name``
+        start = labels.find(f'{name}="', start + 1)
+    if start < 0:
+        return None
+    start += len(name) + 2
+    end = labels.find('"', start)
+    return labels[start:end] if end >= 0 else None
+
+
+def _capacity_tokens(labels: str) -> float | None:
+    """``num_gpu_blocks`` x ``block_size`` of a ``cache_config_info`` label set; None if either is absent."""
+    blocks, size = _label(labels, "num_gpu_blocks"), _label(labels, "block_size")
+    try:
+        tokens = float(int(blocks or "")) * float(int(size or ""))
+    except ValueError:
+        return None
+    return tokens if tokens > 0 else None
 
 
 async def scrape(
@@ -98,6 +127,7 @@ def signals_from(samples: Mapping[str, float], at: float, names: SignalNames = A
         spec_accepted=_first(samples, names.spec_accepted),
         spec_draft=_first(samples, names.spec_draft),
         spec_accept_length=_first(samples, names.spec_accept_length),
+        kv_capacity=_first(samples, names.kv_capacity),
     )
 
 

@@ -168,12 +168,15 @@ class Registry:
         out = []
         for b in self.for_model(model):
             cfg, s = b.cfg, b.signals
-            waiting = -1
-            if s is not None and s.waiting is not None and now - s.at <= SIGNALS_MAX_AGE_S:
-                waiting = int(s.waiting)
+            waiting, capacity = -1, 0
+            if s is not None:
+                if s.waiting is not None and now - s.at <= SIGNALS_MAX_AGE_S:
+                    waiting = int(s.waiting)
+                if s.kv_capacity is not None:  # a configuration: it does not go stale
+                    capacity = int(s.kv_capacity)
             flying = b.in_flight if in_flight is None else in_flight.get(cfg.id, 0)
             out.append(Candidate(cfg.id, b.routing_state, flying, count(cfg.id, 0), cfg.weight,
-                                 b.prefilling, b.prefill_tps, waiting, b.retention))  # fmt: skip
+                                 b.prefilling, b.prefill_tps, waiting, b.retention, capacity))  # fmt: skip
         return tuple(out)
 
     def lease(self, backend_id: str) -> Lease:

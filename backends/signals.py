@@ -20,13 +20,14 @@ class EngineSignals:
     spec_accepted: float | None = None  # counters (tokens)
     spec_draft: float | None = None
     spec_accept_length: float | None = None  # SGLang's gauge
+    kv_capacity: float | None = None  # KV cache size in tokens (vLLM's ``cache_config_info`` labels)
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         return now - self.at <= max_age_s
 
     def readings(self) -> list[tuple[str, float]]:
         """(name, value) of every signal the engine reported; counters are named with ``_total``."""
-        names = ("waiting", "running", "kv_usage", "prefix_hit_rate", "spec_accept_length")
+        names = ("waiting", "running", "kv_usage", "prefix_hit_rate", "spec_accept_length", "kv_capacity")
         counters = ("prefix_queries", "prefix_hits", "spec_accepted", "spec_draft")
         out = [(n, v) for n in names if (v := getattr(self, n)) is not None]
         out += [(n + "_total", v) for n in counters if (v := getattr(self, n)) is not None]

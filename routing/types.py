@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -68,6 +68,8 @@ class Candidate(NamedTuple):
     #: Share of the prefix the gateway expected it to hold that it did hold lately (learned from reported
     #: cached tokens; 1: no sign of eviction). Below 1 its cache is under pressure: it evicts conversations.
     retention: float = 1.0
+    #: KV cache size in tokens its engine reports (vLLM's ``cache_config_info``); 0: unknown (no limit seen).
+    kv_capacity: int = 0
 
     @property
     def routable(self) -> bool:
@@ -96,15 +98,13 @@ class RouteRequest:
     #: The backend that produced this conversation's first reply (a twin of an identical head): it holds the
     #: whole history, like a pin does.
     hint: str | None = None
-    #: ``(backend, prompt tokens it holds)`` from engines' own KV cache events (``routing.kvindex``), sorted
-    #: by backend; a backend listed here is judged by it (0: it evicted this conversation: cold), one absent
-    #: by the inference above. Empty when no engine publishes events or none is known for this conversation.
+    #: What the engines themselves say they hold: ``(backend, prompt tokens it holds)`` from their KV cache
+    #: events (``routing.kvindex``), sorted by backend. A backend listed here is taken at its word (0: it
+    #: evicted this conversation: cold), one absent is inferred as above. Empty when no engine publishes
+    #: events or none is known for this conversation. The one place routing learns an engine's own word.
     kv_held: tuple[tuple[str, int], ...] = ()
     #: Fill ``Decision.costs`` (the admin "why" dry run); the hot path leaves it off.
     explain: bool = False
-    #: Per backend, the prompt tokens its engine reports holding for this prompt (an index of its KV cache
-    #: events); a backend listed here is taken at its word, the others are inferred. None: no such index.
-    engine_cached: Mapping[str, int] | None = None
 
 
 class Cost(NamedTuple):

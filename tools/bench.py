@@ -91,9 +91,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     sim.add_argument("--decode-tps", type=float, default=s.decode_tps)
     sim.add_argument("--max-running", type=int, default=s.max_running)
     sim.add_argument("--cache-tokens", type=int, default=s.cache_tokens)
-    sim.add_argument(
-        "--kv-events", action="store_true", help="engines publish KV cache events; the gateway subscribes"
-    )
+    sim.add_argument("--kv-events", action="store_true",
+                     help="engines publish KV cache events; the gateway subscribes (scenarios: adds a "
+                     "ttft+kv variant)")  # fmt: skip
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, help="write every number (and every request) here")
     out.add_argument("--plot", type=Path, default=Path(DEFAULT_PLOT), help="TTFT CDF per policy (PNG)")
@@ -260,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_scenarios.ROUTING_OVERRIDES.update(_routing_overrides(args.routing))
             if args.variants:
                 bench_scenarios.VARIANTS[:] = args.variants.split(",")
+            bench_scenarios.KV_EVENTS[0] = args.kv_events
             return bench_scenarios.main(names, args.rounds, args.time_scale, profile, out)
     policies = _policies(args.policies)
     try:

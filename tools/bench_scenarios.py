@@ -1,9 +1,10 @@
 """``warmroute bench --scenario NAME``: routing v2's scenarios on simulated engines, against their targets.
 
 Every scenario starts its own simulated engines (serial prefill: a queue is real there), then runs each
-variant (a policy, optionally given the engines' true speeds as weights; ``oracle`` sends conversation i
-straight to engine i mod K) for a few rounds, order rotating, caches reset between runs. Numbers are
-medians over rounds; ratios compare variants of the same round set on the same machine.
+variant (a policy, optionally given the engines' true speeds as weights (``+weights``) or subscribed to
+the engines' KV cache events (``+kv``: ``--kv-events`` adds ``ttft+kv`` to every scenario); ``oracle``
+sends conversation i straight to engine i mod K) for a few rounds, order rotating, caches reset between
+runs. Numbers are medians over rounds; ratios compare variants of the same round set on the same machine.
 
 - ``identical-GxN``: G groups of N conversations sharing system prompt *and* first user message (N = 4, 8,
   16, 32); each later turn adds ~600 tokens, ~3000 in the ``-long`` twins.
@@ -50,6 +51,7 @@ SLOW_WINDOW_S = 30.0
 EVENT_AT_S = float(os.environ.get("WARMROUTE_BENCH_EVENT_AT_S", "8"))  # the join or slow-down (unscaled s)
 ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
 VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
+KV_EVENTS: list[bool] = [False]  # ``--kv-events``: every scenario also runs ``ttft+kv``
 gateways_started: list[str] = []
 
 
@@ -123,8 +125,15 @@ SCENARIOS: dict[str, Scenario] = {
 # -- processes ----------------------------------------------------------------------------------------------
 
 
+def _extras(variant: str) -> set[str]:
+    """``weights`` and/or ``kv`` of ``policy+weights+kv@settings``."""
+    return set(variant.partition("@")[0].split("+")[1:])
+
+
 def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[Engine]:
-    started = []
+    """The scenario's engines; they publish KV cache events when a variant subscribes to them."""
+    started, endpoints = [], []
+    kv = any("kv" in _extras(v) for v in sc.variants)
     caches = sc.caches or (profile.cache_tokens,) * len(sc.speeds)
     for index, (speed, cache) in enumerate(zip(sc.speeds, caches, strict=True), 1):
         name, port = f"engine-{index}", free_port()
@@ -132,10 +141,14 @@ def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[E
         p = replace(p, cache_tokens=cache)
         argv = launch_python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", MODEL)
         argv += [*p.argv(), "--prefill-serial", "--seed", str(index), "--log-level", "warning"]
+        endpoint = f"tcp://{LOCALHOST}:{free_port()}" if kv else None
+        if endpoint is not None:
+            argv += ["--kv-events-endpoint", endpoint]
+        endpoints.append(endpoint)
         started.append(launch._spawn(name, port, argv))
     for child in started:
         launch._wait(child, "/health", _ok)
-    return [Engine(c.name, c.url) for c in started]
+    return [Engine(c.name, c.url, endpoint) for c, endpoint in zip(started, endpoints, strict=True)]
 
 
 def launch_python(*args: str) -> list[str]:
@@ -154,12 +167,14 @@ def start_gateway(
     time_scale: float,
     name: str,
     overrides: dict[str, Any] | None = None,
+    kv_events: bool = False,
 ) -> Child:
     port = free_port()
     backends = [
-        {"id": e.id, "url": e.url, "models": [MODEL], **({"weight": w} if weights else {})}
+        {"id": e.id, "url": e.url, "models": [MODEL], **({"weight": w} if weights else {}),
+         **({"kv_events": {"endpoint": e.kv_endpoint}} if kv_events and e.kv_endpoint else {})}
         for e, w in zip(engines, weights or [1.0] * len(engines), strict=True)
-    ]
+    ]  # fmt: skip
     routing = {"policy": policy, "active_window_s": 10.0 * time_scale, "speed_half_life_s": 15.0 * time_scale}
     routing.update(ROUTING_OVERRIDES)
     routing.update(overrides or {})
@@ -210,9 +225,9 @@ async def run_variant(
     round_: int,
     time_scale: float,
 ) -> dict[str, Any]:
-    # "policy[+weights][@key=value;key=value]": the extra routing settings make variants of one policy.
+    # "policy[+weights][+kv][@key=value;key=value]": the extra routing settings make variants of one policy.
     name, _, settings = variant.partition("@")
-    policy, _, extra = name.partition("+")
+    policy, extras = name.partition("+")[0], _extras(variant)
     overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
     for e in engines:
         await client.delete(f"{e.url}/sim/faults")
@@ -225,10 +240,11 @@ async def run_variant(
             launch,
             engines,
             policy,
-            sc.speeds if extra == "weights" else None,
+            sc.speeds if "weights" in extras else None,
             time_scale,
             f"gw-{round_}-{len(gateways_started)}",
             overrides,
+            kv_events="kv" in extras,
         )
         gateways_started.append(variant)
         await _until_state(client, gateway, engines[-1].id, {"ready"})
@@ -363,6 +379,9 @@ async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimPr
     sc = SCENARIOS[name]
     if VARIANTS:
         sc = replace(sc, variants=tuple(VARIANTS))
+    elif KV_EVENTS[0] and "ttft" in sc.variants:
+        at = sc.variants.index("ttft") + 1
+        sc = replace(sc, variants=(*sc.variants[:at], "ttft+kv", *sc.variants[at:]))
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in sc.variants}
     with Launcher(f"warmroute-{name}-") as launch:
         engines = start_engines(launch, sc, profile)

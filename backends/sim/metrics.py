@@ -1,7 +1,8 @@
 """``/metrics`` with vLLM's metric names, read from the engine at scrape time.
 
 Each app gets its own ``CollectorRegistry`` (several simulators share one test process). Like vLLM with
-several ``--served-model-name`` values, the ``model_name`` label is the first served name.
+several ``--served-model-name`` values, the ``model_name`` label is the first served name. The KV cache's
+size is vLLM's ``vllm:cache_config_info`` info gauge (value 1; ``num_gpu_blocks`` and ``block_size`` labels).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class EngineCollector(Collector):
             family_g = GaugeMetricFamily(name, doc, labels=LABELS)
             family_g.add_metric(label, gauge)
             yield family_g
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=("block_size", "enable_prefix_caching", "num_gpu_blocks"),
+        )
+        info.add_metric([str(engine.cfg.block_size), "True", str(engine.cache.capacity_blocks)], 1.0)
+        yield info
         finished = CounterMetricFamily(
             "vllm:request_success", "Count of finished requests.", labels=(*LABELS, "finished_reason")
         )

@@ -5,7 +5,8 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
 - retry after a failure                 -> cheapest of the rest        (retry_next; the pin follows a failed
                                                                         pinned backend)
 - pinned (or the twin hint) routable     -> stay unless this turn's own time (queue + prefill, no load
-                                           term) is lower elsewhere by the margin
+                                           term; elsewhere plus the re-prefill its arrival causes where the
+                                           KV cache is full) is lower elsewhere by the margin
                                            (affinity_hit: touch the pin, or claim the hint)
   - home no busier than there in the long run (load term): its queue drains and it keeps the history:
     a one-off spill, the pin stays                                       (spill_overload)
@@ -20,7 +21,7 @@ Ties go by the rendezvous tie-break, so every replica given the same snapshot de
 
 from __future__ import annotations
 
-from routing.cost import cost, lost_history, total_s, uncached_tokens
+from routing.cost import cost, lost_history, overflow_tokens, rate, total_s, uncached_tokens
 from routing.load import find, key_seed, rendezvous
 from routing.params import RoutingParams
 from routing.types import (
@@ -87,7 +88,12 @@ class TtftPolicy:
         # conversation is not re-prefilled elsewhere to even out load, only when waiting at home costs more.
         stay, there = cost(home, request, self.load_share), cost(best, request, self.load_share)
         stay_now, there_now = stay.queue_s + stay.prefill_s, there.queue_s + there.prefill_s
+        # Arriving where the cache is full evicts as much (this conversation's or another's): a re-prefill
+        # the move causes, so it is paid in the move's cost. Home already holds this conversation's share.
+        there_now += overflow_tokens(best, request) / rate(best)
         # A home whose KV events say it evicted the history has nothing left to stay for: no hysteresis.
+        # (Judging such a home on the whole cost, load term included, moved more follow-ups onto engines
+        # that then evicted them: measured worse on the pressure bench.)
         lost = lost_history(home, request)
         margin = _MIN_MARGIN_S if lost else max(_MIN_MARGIN_S, self.stay_margin * stay_now)
         if there_now + margin >= stay_now:

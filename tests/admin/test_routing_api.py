@@ -148,6 +148,12 @@ def test_openapi_document_lists_every_admin_route(cluster: ClusterFactory) -> No
 
 
 def test_explain_lists_every_routing_signal_beside_the_core_fields() -> None:
-    view = _candidate(Candidate("a", BackendState.READY, 1, 3, 2.0, 800, 4000.0, 2, 0.75))
+    view = _candidate(Candidate("a", BackendState.READY, 1, 3, 2.0, 800, 4000.0, 2, 0.75, 16_000))
     assert (view.id, view.in_flight, view.conversations, view.weight, view.load) == ("a", 1, 3, 2.0, 2.0)
-    assert view.signals == {"prefilling": 800, "prefill_tps": 4000.0, "waiting": 2, "retention": 0.75}
+    assert view.signals == {
+        "prefilling": 800,
+        "prefill_tps": 4000.0,
+        "waiting": 2,
+        "retention": 0.75,
+        "kv_capacity": 16_000,
+    }

@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from backends.engine_metrics import SignalScraper, parse_signals
 from backends.registry import SIGNALS_MAX_AGE_S, Registry
 from backends.signals import EngineSignals
-from config.settings import load_settings
+from config.settings import Dialect, load_settings
 from gateway.metrics import Metrics
 
 VLLM = """\
@@ -128,3 +128,29 @@ async def test_the_scraper_reads_each_backend_and_keeps_the_last_signals_when_on
         await scraper.scrape_all()
     assert reg.backends["a"].signals == parse_signals(VLLM, 7.0)
     assert reg.backends["b"].signals is old
+
+
+def test_vllm_cache_config_info_is_read_as_the_kv_cache_size_in_tokens() -> None:
+    text = (
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+        'num_gpu_blocks="1000",num_cpu_blocks="None"} 1.0\n' + VLLM
+    )
+    s = parse_signals(text, 0.0, Dialect.VLLM)
+    assert (s.kv_capacity, s.waiting) == (16_000.0, 4.0)
+    assert ("kv_capacity", 16_000.0) in s.readings()
+    # Without the labels (or with a number that is none) it is unknown, not zero.
+    assert parse_signals('vllm:cache_config_info{block_size="16"} 1.0\n', 0.0).kv_capacity is None
+    bad = 'vllm:cache_config_info{num_gpu_blocks="None",block_size="16"} 1.0\n'
+    assert parse_signals(bad, 0.0).kv_capacity is None
+    other = 'vllm:cache_config_info{xnum_gpu_blocks="9",num_gpu_blocks="2",block_size="32"} 1\n'
+    assert parse_signals(other, 0.0).kv_capacity == 64.0
+
+
+def test_the_kv_cache_size_reaches_the_snapshot_and_does_not_go_stale() -> None:
+    reg = Registry(load_settings(None, backends=[{"id": "a", "url": "http://a", "models": ["m"]}]).backends)
+    text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1\n'
+    reg.backends["a"].signals = parse_signals(text, at=0.0)
+    (c,) = reg.candidates("m", {}, None, now=SIGNALS_MAX_AGE_S + 100.0)
+    assert c.kv_capacity == 1600
+    reg.backends["a"].signals = None
+    assert reg.candidates("m", {}, None, now=0.0)[0].kv_capacity == 0

@@ -1,10 +1,11 @@
-"""Cache pressure in the cost model: learned retention, engines' own cached-token estimates, the estimator."""
+"""Cache pressure in the cost model: learned retention, engines' own cached-token estimates, KV cache sizes,
+the estimator."""
 
 from __future__ import annotations
 
 import pytest
 
-from routing.cost import cached_tokens, cost, total_s
+from routing.cost import cached_tokens, cost, lost_history, overflow_tokens, total_s
 from routing.params import RoutingParams
 from routing.policies.ttft import TtftPolicy
 from routing.retention import RetentionEstimator
@@ -13,8 +14,10 @@ from routing.types import BackendState, Candidate, PinAction, Reason, RouteReque
 READY = BackendState.READY
 
 
-def cand(id_: str, *, active: int = 0, retention: float = 1.0, tps: float = 1000.0) -> Candidate:
-    return Candidate(id_, READY, 0, active, 1.0, 0, tps, -1, retention)
+def cand(
+    id_: str, *, active: int = 0, retention: float = 1.0, tps: float = 1000.0, capacity: int = 0
+) -> Candidate:
+    return Candidate(id_, READY, 0, active, 1.0, 0, tps, -1, retention, capacity)
 
 
 def req(**kw: object) -> RouteRequest:
@@ -43,11 +46,11 @@ def test_retention_is_not_in_the_load_term() -> None:
 
 def test_engine_reported_cached_tokens_are_taken_at_their_word() -> None:
     # The engine's own index says the pin lost the history and another engine holds most of it.
-    r = req(pinned="a", engine_cached={"a": 0, "b": 2500})
+    r = req(pinned="a", kv_held=(("a", 0), ("b", 2500)))
     assert cached_tokens(cand("a"), r) == 0
     assert cached_tokens(cand("b", retention=0.1), r) == 2500  # no retention discount on an engine's word
     assert cached_tokens(cand("c"), r) == 0  # not listed: inferred (holds nothing known)
-    clipped = req(engine_cached={"a": 10**9, "b": -5})
+    clipped = req(kv_held=(("a", 10**9), ("b", -5)))
     assert (cached_tokens(cand("a"), clipped), cached_tokens(cand("b"), clipped)) == (3000, 0)
 
 
@@ -57,7 +60,7 @@ def test_a_pin_whose_engine_evicted_the_prefix_is_cold_and_the_turn_goes_where_i
         prompt_tokens=20_000,
         tail_tokens=500,
         head_tokens=1000,
-        engine_cached={"a": 0, "b": 19_000},
+        kv_held=(("a", 0), ("b", 19_000)),
     )
     d = POLICY.select([cand("a"), cand("b")], r, 0.0)
     assert (d.backend, d.uncached_tokens) == ("b", 1000)
@@ -107,3 +110,66 @@ def test_retention_estimator_rejects_bad_settings() -> None:
         RetentionEstimator(half_life_s=0)
     with pytest.raises(ValueError):
         RetentionEstimator(prior_tokens=0)
+
+
+def test_a_pin_is_never_inferred_to_hold_more_than_its_kv_cache() -> None:
+    r = req(pinned="a")
+    assert cached_tokens(cand("a", capacity=1000), r) == 1000
+    assert cached_tokens(cand("a", capacity=1000, retention=0.5), r) == 500
+    assert cached_tokens(cand("a", capacity=0), r) == 2700  # unknown size: no limit
+    assert not lost_history(cand("a", capacity=1000), r)  # lost is the engine's word alone (KV events)
+    assert cached_tokens(cand("a", capacity=10), req(pinned="a", kv_held=(("a", 2000),))) == 2000  # its word
+
+
+def test_overflow_is_what_this_conversation_adds_beyond_the_cache_at_most_its_size() -> None:
+    r = req(prompt_tokens=3000, turn_tokens=600)  # about 3600 tokens each
+    assert overflow_tokens(cand("a", active=3, capacity=16_000), r) == 0  # 4 x 3600 fit
+    assert overflow_tokens(cand("a", active=4, capacity=16_000), r) == 2000
+    assert overflow_tokens(cand("a", active=9, capacity=16_000), r) == 3600  # never more than its own size
+    assert overflow_tokens(cand("a", active=9, capacity=0), r) == 0  # unknown size: no pressure
+    in_flight = Candidate("a", READY, 4, 0, 1.0, 0, 1000.0, -1, 1.0, 16_000)
+    assert overflow_tokens(in_flight, r) == 2000  # requests in flight hold KV blocks too
+    c = cand("a", active=4, capacity=16_000)
+    assert cost(c, r, 2.0).load_s == pytest.approx((4 * 600 + 2000) * 2.0 / 1000)
+    assert total_s(c, r, 2.0) == cost(c, r, 2.0).total_s
+
+
+def test_a_new_conversation_goes_to_the_engine_with_room_not_one_whose_cache_is_full() -> None:
+    r = req(prompt_tokens=3000, turn_tokens=600)
+    full, roomy = cand("full", active=2, capacity=8000), cand("roomy", active=3, capacity=16_000)
+    d = POLICY.select([full, roomy], r, 0.0)
+    assert (d.backend, d.reason, d.pin) == ("roomy", Reason.NEW_CHEAPEST, PinAction.CLAIM)
+    # Without the sizes the one with fewer conversations wins, as before.
+    d = POLICY.select([full._replace(kv_capacity=0), roomy._replace(kv_capacity=0)], r, 0.0)
+    assert d.backend == "full"
+
+
+def test_a_pin_whose_cache_holds_little_of_the_history_stays_unless_elsewhere_is_cheaper_now() -> None:
+    # Home's cache holds 900 of the 4400-token history: the turn is nearly cold there, but cold elsewhere
+    # too; a queue at home moves it only beyond the stay margin.
+    r = req(pinned="a", prompt_tokens=5000, tail_tokens=600, head_tokens=1000, turn_tokens=600)
+    home = Candidate("a", READY, 0, 1, 1.0, 400, 1000.0, -1, 1.0, 900)
+    other = cand("b", active=1, capacity=16_000)
+    assert cost(home, r, 2.0).uncached_tokens == 4100
+    d = POLICY.select([home, other], r, 0.0)
+    assert (d.backend, d.reason, d.pin) == ("a", Reason.AFFINITY_HIT, PinAction.TOUCH)
+    d = POLICY.select([home._replace(prefilling=10_000), other], r, 0.0)
+    assert d.backend == "b" and d.reason in (Reason.SPILL_OVERLOAD, Reason.MOVE_CHEAPER)
+
+
+def test_a_turn_leaving_a_home_that_evicted_it_goes_where_it_fits_not_where_it_evicts() -> None:
+    # Home's events say it evicted the history (cold there, no margin). "full" has the shorter queue but
+    # no room: arriving there evicts a conversation's worth, paid in the move; "roomy" does not.
+    r = req(pinned="a", prompt_tokens=3000, tail_tokens=300, turn_tokens=600, kv_held=(("a", 0),))
+    home = Candidate("a", READY, 0, 2, 1.0, 3000, 1000.0, -1, 1.0, 16_000)
+    full = Candidate("full", READY, 0, 4, 1.0, 0, 1000.0, -1, 1.0, 14_000)
+    roomy = Candidate("roomy", READY, 0, 1, 1.0, 500, 1000.0, -1, 1.0, 16_000)
+    assert overflow_tokens(full, r) == 3600 and overflow_tokens(roomy, r) == 0
+    d = POLICY.select([home, full, roomy], r, 0.0)
+    assert (d.backend, d.reason, d.pin) == ("roomy", Reason.MOVE_CHEAPER, PinAction.MOVE)
+    # Where no other engine has room, the cold turn waits at home (which has) rather than evict elsewhere;
+    # without the sizes it would leave for the shorter queue.
+    d = POLICY.select([home, full, roomy._replace(kv_capacity=3000)], r, 0.0)
+    assert (d.backend, d.reason) == ("a", Reason.AFFINITY_HIT)
+    unsized = [c._replace(kv_capacity=0) for c in (home, full, roomy)]
+    assert POLICY.select(unsized, r, 0.0).backend != "a"

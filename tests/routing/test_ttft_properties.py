@@ -39,8 +39,8 @@ requests = st.builds(
     turn_tokens=st.integers(0, 5000),
     holders=st.frozensets(st.sampled_from(IDS), max_size=5),
     hint=backend,
-    engine_cached=st.one_of(
-        st.none(), st.dictionaries(st.sampled_from(IDS), st.integers(-10, 300_000), max_size=5)
+    kv_held=st.dictionaries(st.sampled_from(IDS), st.integers(-10, 300_000), max_size=5).map(
+        lambda held: tuple(sorted(held.items()))
     ),
 )
 POLICY = TtftPolicy(RoutingParams("ttft", 2.0, 8, False))

@@ -6,8 +6,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.engine_metrics import parse_signals
 from backends.sim import SimConfig
 from backends.sim.testing import asgi_client
+from config.settings import Dialect
 
 pytestmark = pytest.mark.anyio
 
@@ -34,9 +36,12 @@ def sse_events(body: str) -> list[str]:
 
 
 def metric_values(text: str) -> dict[str, float]:
-    """name(+suffix) → value, asserting every sample carries the vLLM ``model_name`` label."""
+    """name(+suffix) → value, asserting every sample carries the vLLM ``model_name`` label (but the
+    configuration's info gauge, which vLLM labels with the configuration alone)."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            continue
         for sample in family.samples:
             assert sample.labels["model_name"] == "sim-model"
             extra = [v for k, v in sorted(sample.labels.items()) if k != "model_name"]
@@ -213,3 +218,11 @@ async def test_priority_is_taken_under_the_priority_policy_and_refused_under_fcf
             assert r.status_code == 200
         r = await by_priority.post("/v1/chat/completions", json=chat("x", max_tokens=2, priority="high"))
         assert r.status_code == 400
+
+
+async def test_metrics_give_the_kv_cache_size_as_vllm_does() -> None:
+    async with asgi_client(SimConfig(cache_tokens=3000, block_size=16, time_scale=0)) as c:
+        text = (await c.get("/metrics")).text
+    (line,) = [x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")]
+    assert 'num_gpu_blocks="187"' in line and 'block_size="16"' in line and line.endswith(" 1.0")
+    assert parse_signals(text, 0.0, Dialect.VLLM).kv_capacity == 187 * 16
