@@ -285,3 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = _describe(args, plan, outcome.isolation, policies)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return _output(args, header, args.rounds, outcome, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
