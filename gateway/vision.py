@@ -32,7 +32,7 @@ from backends.registry import Backend, Registry
 from config.settings import BackendConfig, VisionMode
 from gateway.context import Draft, RequestContext
 from gateway.errors import BadRequest, GatewayError, UpstreamError
-from gateway.images import ImagePart, VisionMemo
+from gateway.images import ImagePart, VisionMemo, content_parts
 from gateway.inbound import check_text
 from gateway.sidecar import Encoding, ImageRejected, SidecarClient, SidecarHost, VisionUnavailable
 
@@ -41,18 +41,13 @@ EMPTY: frozenset[str] = frozenset()
 
 def find_images(body: dict[str, Any] | None) -> tuple[ImagePart, ...]:
     """The ``image_url`` parts of a chat body, in order. A part without a string URL is a 400."""
-    messages = body.get("messages") if body is not None else None
-    if not isinstance(messages, list):
+    if body is None:
         return ()
-    found: list[ImagePart] = []
-    for i, msg in enumerate(messages):
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                found.append(ImagePart(i, j, _url_of(part.get("image_url"), i, j)))
-    return tuple(found)
+    return tuple(
+        ImagePart(i, j, _url_of(part.get("image_url"), i, j))
+        for i, j, part in content_parts(body.get("messages"))
+        if part.get("type") == "image_url"
+    )
 
 
 def _url_of(image_url: Any, i: int, j: int) -> str:

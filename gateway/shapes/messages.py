@@ -26,7 +26,7 @@ from typing import Any
 
 from config.settings import RoutingConfig
 from gateway.errors import BadRequest
-from gateway.images import ImagePart
+from gateway.images import ImagePart, content_parts
 from gateway.inbound import check_common, check_text, require_model
 from gateway.observe import ReplyText, Usage
 from gateway.quota_windows import RateLimitStyle
@@ -199,18 +199,12 @@ def images(body: dict[str, Any]) -> tuple[ImagePart, ...]:
     """The ``image`` blocks of the messages and of their ``tool_result`` blocks, as URLs (inline data as a
     ``data:`` URI), in order."""
     found: list[ImagePart] = []
-    for i, msg in enumerate(body.get("messages") or ()):
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, block in enumerate(content):
-            if not isinstance(block, dict):
-                continue
-            at = f"messages[{i}].content[{j}]"
-            if block.get("type") == "image":
-                found.append(ImagePart(i, j, _source_url(block.get("source"), at), f"{at}.source"))
-            elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
-                found += _result_images(block["content"], i, j, at)
+    for i, j, block in content_parts(body.get("messages")):
+        at = f"messages[{i}].content[{j}]"
+        if block.get("type") == "image":
+            found.append(ImagePart(i, j, _source_url(block.get("source"), at), f"{at}.source"))
+        elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+            found += _result_images(block["content"], i, j, at)
     return tuple(found)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from config.settings import Effort, RoutingConfig
 from gateway.errors import BadRequest, GatewayError
-from gateway.images import ImagePart
+from gateway.images import ImagePart, content_parts
 from gateway.inbound import check_common, check_content, check_text, require_model
 from gateway.observe import ReplyText, Usage, last_object, usage_counts
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse, openai_body
@@ -172,18 +172,11 @@ def images(body: dict[str, Any]) -> tuple[ImagePart, ...]:
     """The ``input_image`` parts of the input items, in order: their ``image_url`` (an http(s) URL or a
     ``data:`` URL), or ``file_id:<id>`` for an image by file id (only a ``vision: native`` engine can read
     that; the translation to chat refuses it with a 400 naming the part)."""
-    items = body.get("input")
-    if not isinstance(items, list):
-        return ()
     found: list[ImagePart] = []
-    for i, item in enumerate(items):
-        content = item.get("content") if isinstance(item, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "input_image":
-                at = f"input[{i}].content[{j}]"
-                found.append(ImagePart(i, j, _image_url(part, at), f"{at}.image_url"))
+    for i, j, part in content_parts(body.get("input")):
+        if part.get("type") == "input_image":
+            at = f"input[{i}].content[{j}]"
+            found.append(ImagePart(i, j, _image_url(part, at), f"{at}.image_url"))
     return tuple(found)
 
 
