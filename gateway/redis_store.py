@@ -397,6 +397,10 @@ class RedisAffinityStore:
     async def _recover(self) -> bool:
         pending = len(self._pending)
         try:
+            # Connections from before the outage may still sit in the pool, their sockets reset by the old
+            # server without the pool noticing: the first command on one after recovery would fail and
+            # degrade the store again. Nothing else uses the pool while degraded, so drop them all.
+            await self._client.connection_pool.disconnect()
             await self._beat()  # publishes our counts, checks the epoch and resyncs pending pins
         except Exception as exc:
             _log_unexpected(exc)

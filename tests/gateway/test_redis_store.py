@@ -203,6 +203,27 @@ async def test_pins_survive_a_redis_restart_that_lost_everything(
     assert (await b.view(None)).conversations == {"x": 1, "y": 1}
 
 
+async def test_connections_from_before_an_outage_do_not_degrade_the_store_again(
+    private_redis: RedisServer, stores: StoreFactory
+) -> None:
+    fast = {"reconnect_min_s": 0.05, "reconnect_max_s": 0.1, "heartbeat_s": 0.05}
+    store = stores(url=private_redis.url, **fast)
+    await store.start()
+    await asyncio.gather(*(store.view(f"k{i}") for i in range(8)))  # several connections in the pool
+    private_redis.kill()
+    await store.view("k0")  # notices the outage
+    assert store.status()["degraded"] is True
+    private_redis.start()
+
+    async def recovered() -> bool:
+        return store.status()["degraded"] is False
+
+    await until(recovered)
+    # Every pooled connection is used at once: none may be one the old server reset.
+    await asyncio.gather(*(store.view(f"k{i}") for i in range(8)))
+    assert store.status()["degraded"] is False
+
+
 async def test_pins_claimed_or_moved_are_announced_a_touch_or_another_replicas_pin_is_not(
     stores: StoreFactory,
 ) -> None:
