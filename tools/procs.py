@@ -59,7 +59,9 @@ class NotReady(RuntimeError):
 
 
 def free_port() -> int:
-    """A port to give a child to listen on; nobody else is handed it, and no outgoing connection takes it."""
+    """A port to give a child to listen on; nobody else is handed it, and no outgoing connection takes it.
+    Also the port to use for "nothing listens here": a client connecting to a closed port in the ephemeral
+    range can be given that same port as its own and connect to itself (TCP simultaneous open)."""
     return PortAllocator(listen_ports(ephemeral_ports())).take()
 
 
