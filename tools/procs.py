@@ -1,5 +1,13 @@
 """Local ports and child processes, one copy for the tools and the tests. Everything binds 127.0.0.1.
 
+``free_port`` hands out a port for a child to listen on. It never comes from the kernel's ephemeral range
+(``/proc/sys/net/ipv4/ip_local_port_range``): that range is where ``bind(port 0)`` and every outgoing
+connection get their local port, so a port found there and closed again can be taken by any process before
+the child binds it ("Address already in use"). Outside that range only an explicit bind takes a port, and
+the explicit binds of our tests and tools draw their ports from one cursor shared by every process of this
+user (a file under a lock), so no two of them get the same port until the cursor has gone round the whole
+range. A port something already listens on is skipped.
+
 ``spawn`` starts a child and ``stop`` ends it (SIGTERM, then SIGKILL); ``child`` does both around a ``with``
 block. ``wait_http`` polls a URL until it answers as wanted and fails fast when the process behind it exits
 first, so a crashed child is reported at once instead of after the whole timeout.
@@ -9,11 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +39,10 @@ STOP_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 2.0
 _PR_SET_PDEATHSIG = 1
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+DEFAULT_EPHEMERAL = (49152, 65535)  # IANA's dynamic ports: the BSD and macOS default
+FIRST_UNPRIVILEGED = 1024
+LISTEN_SPAN = 8192  # ports handed out before the cursor comes round again
 
 #: What ``subprocess.Popen`` accepts for stdout/stderr: a file, DEVNULL/STDOUT, or None (inherit ours).
 Output = int | IO[bytes] | None
@@ -43,19 +59,65 @@ class NotReady(RuntimeError):
 
 
 def free_port() -> int:
-    """A port that was free a moment ago; the child binds it a little later (a small, accepted race)."""
-    with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
-        return int(s.getsockname()[1])
+    """A port to give a child to listen on; nobody else is handed it, and no outgoing connection takes it.
+    Also the port to use for "nothing listens here": a client connecting to a closed port in the ephemeral
+    range can be given that same port as its own and connect to itself (TCP simultaneous open)."""
+    return PortAllocator(listen_ports(ephemeral_ports())).take()
 
 
 def port_is_free(port: int) -> bool:
+    """Nothing holds ``port`` on loopback (no listener, no connection in TIME_WAIT): bindable without
+    SO_REUSEADDR."""
     with socket.socket() as s:
         try:
             s.bind((LOCALHOST, port))
         except OSError:
             return False
     return True
+
+
+def ephemeral_ports() -> range:
+    """The kernel's ephemeral port range: local ports of outgoing connections and of ``bind(port 0)``."""
+    try:
+        low, high = map(int, Path(EPHEMERAL_RANGE_FILE).read_text().split())
+    except (OSError, ValueError):
+        low, high = DEFAULT_EPHEMERAL  # not Linux
+    return range(low, high + 1)
+
+
+def listen_ports(ephemeral: range, span: int = LISTEN_SPAN) -> range:
+    """Up to ``span`` unprivileged ports just below the ephemeral range (or above it, where that has more)."""
+    below = range(max(FIRST_UNPRIVILEGED, ephemeral.start - span), ephemeral.start)
+    above = range(ephemeral.stop, min(ephemeral.stop + span, 65536))
+    ports = below if len(below) >= len(above) else above
+    if not ports:
+        raise RuntimeError(f"no unprivileged ports outside the ephemeral range {ephemeral}")
+    return ports
+
+
+class PortAllocator:
+    """Hands out ``ports`` in turn, skipping ports in use; the turn lives in ``state``, a file shared by
+    every process that uses it, read and advanced under an exclusive lock."""
+
+    def __init__(self, ports: Sequence[int], state: Path | None = None) -> None:
+        self.ports = ports
+        self.state = state or Path(tempfile.gettempdir()) / f"warmroute-ports-{os.getuid()}"
+
+    def take(self) -> int:
+        with self.state.open("a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            f.seek(0)
+            text = f.read().strip()
+            cursor = int(text) if text.isdigit() else random.randrange(len(self.ports))
+            for step in range(len(self.ports)):
+                index = (cursor + step) % len(self.ports)
+                if port_is_free(self.ports[index]):
+                    f.seek(0)
+                    f.truncate()
+                    f.write(str(index + 1))
+                    f.flush()
+                    return self.ports[index]
+        raise OSError(errno.EADDRINUSE, f"every port of {self.ports} is in use")
 
 
 def answers(response: httpx.Response) -> bool:

@@ -33,6 +33,9 @@ from .gateways import RunningGateway, running_gateway
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "tiny-chat"
 ENGINE_COUNT = 2
+# On for the session's engines so test_responses_vllm needs no engines of its own. Harmless to the others: the
+# store keeps /v1/responses answers asked with store=true in the engine's memory, and nothing else changes.
+SESSION_ENV = (("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` filters on the mark
@@ -86,7 +89,10 @@ def tiny_model_dir(e2e_venv: Path) -> Path:
 def engine_config(e2e_venv: Path, tiny_model_dir: Path) -> EngineConfig:
     """How the session's engines are launched; build extra `VllmEngine`s from it."""
     return EngineConfig(
-        python=e2e_venv / "bin" / "python", model_dir=tiny_model_dir, served_model_name=SERVED_MODEL
+        python=e2e_venv / "bin" / "python",
+        model_dir=tiny_model_dir,
+        served_model_name=SERVED_MODEL,
+        extra_env=SESSION_ENV,
     )
 
 
@@ -101,7 +107,8 @@ def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_set(engine_config: EngineConfig, engine_log_dir: Path) -> Iterator[list[VllmEngine]]:
-    """Two engines serving "tiny-chat", each pinned to its own core, started once for the whole session.
+    """Two engines serving "tiny-chat", each pinned to its own core, started once for the whole session,
+    their Responses store on (``SESSION_ENV``).
 
     Tests take `vllm_engines`, which also brings back an engine an earlier module left dead.
     """

@@ -5,7 +5,10 @@ A conversation's second turn is estimated warm from the events (the index's esti
 ``cached_tokens``); other work then evicts it, and its third turn is estimated cold, as the engine reports.
 Then the same multi-turn workload, more conversations than one engine's cache holds, runs through two engines
 twice, caches reset between: the engines' prefix-cache hit rate with events is at least that without.
-Two engines of its own (the session's two are not started), eager mode, started together: ~35-90 s.
+Two engines of its own, eager mode, started together (~40-60 s), not the session's: eviction and pressure need
+caches of 3,072 tokens. The session's engines hold ~350k tokens each and serve every other module; a cache
+that small would evict those modules' conversations, and filling theirs would cost more prefill than these
+two starts.
 """
 
 from __future__ import annotations

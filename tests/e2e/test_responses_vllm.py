@@ -1,13 +1,11 @@
-"""/v1/responses on real vLLM CPU engines with their response store on: a ``previous_response_id`` chain
-through two gateway replicas sharing a real Redis reaches the owning engine every turn, with the official
-``openai`` SDK's Responses client as the caller (streamed and not)."""
+"""/v1/responses on real vLLM CPU engines with their response store on (the session's engines have it on): a
+``previous_response_id`` chain through two gateway replicas sharing a real Redis reaches the owning engine
+every turn, with the official ``openai`` SDK's Responses client as the caller (streamed and not)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -17,32 +15,18 @@ from config.settings import load_settings
 from gateway.app import create_app
 from tools.redis_server import RedisServer
 
-from .engines import EngineConfig, VllmEngine, start_engines, stop_all
+from .engines import VllmEngine
 from .gateways import BACKEND_HEADER, FAST_HEALTH, MODEL, ROUTE_HEADER
 from upstreams import serve
 
-STORE_ENV = (("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)
 QUICK = {"max_output_tokens": 8, "reasoning": {"effort": "none"}}
-
-
-@pytest.fixture(scope="module")
-def storing_engines(engine_config: EngineConfig, engine_log_dir: Path) -> Iterator[list[VllmEngine]]:
-    """Two engines with vLLM's per-process Responses store on (their own: the session's have it off)."""
-    config = dataclasses.replace(engine_config, extra_env=(*engine_config.extra_env, *STORE_ENV))
-    engines = start_engines(config, 2, engine_log_dir / "responses")
-    try:
-        yield engines
-    finally:
-        stop_all(engines)
 
 
 @pytest.fixture
 def replicas(
-    storing_engines: list[VllmEngine], redis_server: RedisServer, redis_prefix: str
+    vllm_engines: list[VllmEngine], redis_server: RedisServer, redis_prefix: str
 ) -> Iterator[list[str]]:
-    backends = [
-        {"id": e.name, "url": e.base_url, "models": [MODEL], "dialect": "vllm"} for e in storing_engines
-    ]
+    backends = [{"id": e.name, "url": e.base_url, "models": [MODEL], "dialect": "vllm"} for e in vllm_engines]
     settings = load_settings(
         None,
         backends=backends,

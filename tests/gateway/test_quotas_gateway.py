@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import socket
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from gateway.shapes.messages import MESSAGES
 from gateway.shapes.table import CHAT
 from gateway.transport import UpstreamConnectError
 from routing.policies.round_robin import RoundRobinPolicy
+from tools.procs import free_port
 
 from proxy_rig import OneBackend, ProxyClient
 from transports import Reply
@@ -248,18 +248,10 @@ async def test_in_flight_returns_to_zero_however_a_request_ends(ending: str) -> 
     assert rig.counter("alice", "admitted") == 1
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 async def test_an_unreachable_shared_state_admits_unchecked_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    cfg = RedisConfig(url=f"redis://127.0.0.1:{closed_port()}/0", timeout_s=0.5)
+    cfg = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
     client = Redis(connection_pool=redis_pool(cfg))
     rig = Rig({"alice": {"requests_per_window": 1}})
     rig.quotas.store = RedisQuotas(client, RedisKeys("t:"), "r1", rig.quotas.unavailable)

@@ -9,7 +9,6 @@ import gc
 import logging
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import threading
@@ -39,6 +38,7 @@ from gateway.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
+from tools.procs import free_port
 
 from upstreams import FakeEngine, serve
 
@@ -377,9 +377,7 @@ async def test_https(anyio_backend: Any, certificate: tuple[Path, Path]) -> None
 
 
 async def test_connection_refused(pool: UpstreamPool) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        origin = f"http://127.0.0.1:{s.getsockname()[1]}"
+    origin = f"http://127.0.0.1:{free_port()}"  # nothing listens, and no connection of ours is bound there
     tight = UpstreamPool(connect_timeout=2.0, max_connections_per_origin=1)
     async with asyncio.timeout(5):  # a leaked permit would make the second attempt wait forever
         for _ in range(2):
