@@ -166,22 +166,16 @@ class BudgetStep:
         """A shape with its own thinking fields (Anthropic's ``thinking``): the client's go to the engine as
         sent, its native route caps them; a budget the gateway derived is written by the shape.
 
-        Seam: where the gateway would have to enforce the cap itself (``budget_enforcement: gateway``, or a
-        dialect without a native cap), its two phases continue chat completions; this attempt would first
-        have to be translated to chat (gateway/translate). Until then it is refused, never sent uncapped."""
+        Where only the gateway could cap it (``budget_as_chat``) the attempt was translated to chat by the
+        first prepare step (gateway/translation.py) and never reaches here; one that does anyway is refused,
+        never sent uncapped."""
         thinking = ctx.thinking
         if thinking is None:
             return
-        dialect, mode = backend.cfg.dialect, backend.cfg.budget_enforcement
-        if _needs_gateway(mode, ctx.shape.name in DIALECTS[dialect].capped_shapes, thinking):
-            why = (
-                f"dialect {dialect} does not cap it on this route"
-                if mode is BudgetEnforcement.AUTO
-                else f"it is configured budget_enforcement: {mode}"
-            )
+        if budget_as_chat(ctx, backend):
             raise BudgetNotEnforceable(
-                f"backend {backend.id} would need the gateway to cap thinking on {ctx.shape.path} ({why}), "
-                "and the gateway enforces budgets on chat completions only; send it to /v1/chat/completions",
+                f"backend {backend.id} does not cap thinking on {ctx.shape.path}, and this attempt was not "
+                "translated to chat completions, where the gateway enforces it",
                 param="thinking",
             )
         spell = ctx.shape.thinking_spell
@@ -190,6 +184,19 @@ class BudgetStep:
         if field is not None:
             draft.edit()[field[0]] = field[1]
         self.metrics.budget_attempt("off" if thinking.off else "native")
+
+
+def budget_as_chat(ctx: RequestContext, backend: Backend) -> bool:
+    """This attempt must go as chat (gateway/translation.py translates it): its shape keeps the budget in
+    its own fields (Anthropic's ``thinking``), it asks a positive cap, and the backend's native route for
+    the shape does not cap it (the dialect's ``capped_shapes``: SGLang accepts ``budget_tokens`` on
+    ``/v1/messages`` without enforcing it) or the backend says ``budget_enforcement: gateway``. As chat the
+    cap is spelled in the dialect's chat field, or enforced by the gateway in two phases."""
+    thinking = ctx.thinking
+    if thinking is None or ctx.shape.thinking_ask is None:
+        return False
+    capped = ctx.shape.name in DIALECTS[backend.cfg.dialect].capped_shapes
+    return _needs_gateway(backend.cfg.budget_enforcement, capped, thinking)
 
 
 def read_path(body: dict[str, Any] | None, path: tuple[str, ...]) -> Any:

@@ -356,25 +356,6 @@ def test_derived_budgets_are_spelled_per_anthropic_s_rules() -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        {"dialect": "vllm", "budget_enforcement": "gateway"},
-        {"dialect": "sglang"},  # its Messages route accepts budget_tokens and does not enforce it
-    ],
-)
-def test_a_budget_the_gateway_would_have_to_enforce_is_refused_not_sent_uncapped(
-    backend: dict[str, Any],
-) -> None:
-    engine = AnthropicEngine("a")
-    with gateway([engine], backend) as (url, _gw):
-        r = post(url, turn1(thinking={"type": "enabled", "budget_tokens": 1024}))
-        message = anthropic_error(r, 400, "invalid_request_error")
-        assert "cap thinking on /v1/messages" in message and "/v1/chat/completions" in message
-        assert post(url, turn1(thinking={"type": "disabled"})).status_code == 200  # off needs no enforcing
-    assert len(engine.requests) == 1
-
-
 def test_llama_cpp_caps_the_client_s_budget_itself() -> None:
     engine = AnthropicEngine("a")
     with gateway([engine], {"dialect": "llamacpp"}) as (url, _gw):
