@@ -395,6 +395,28 @@ def test_image_blocks_never_go_to_text_only_backends() -> None:
     assert text_only.requests == [] and len(seeing.requests) == 3
 
 
+def test_a_count_of_image_blocks_goes_only_where_its_turn_could() -> None:
+    """The count's candidates are its turn's: never a text-only backend; a model with only text-only
+    backends is a 400 on the count as on the turn."""
+    text_only, seeing = AnthropicEngine("t"), AnthropicEngine("v")
+    with contextlib.ExitStack() as stack:
+        urls = {e.name: stack.enter_context(serve(e.app()))[0] for e in (text_only, seeing)}
+        backends = [
+            {"id": "t", "url": urls["t"], "models": ["m", "text"], "vision": "none"},
+            {"id": "v", "url": urls["v"], "models": ["m"], "vision": "native"},
+        ]
+        app = create_app(load_settings(None, backends=backends, canary={"enabled": False}))
+        url, _ = stack.enter_context(serve(app))
+        content = [IMAGE, {"type": "text", "text": "what is it?"}]
+        for i in range(4):
+            count = {"model": "m", "system": f"s{i}", "messages": [{"role": "user", "content": content}]}
+            r = post(url, count, COUNT)
+            assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "v")
+        text = {"model": "text", "messages": [{"role": "user", "content": content}]}
+        assert "text-only" in anthropic_error(post(url, text, COUNT), 400, "invalid_request_error")
+    assert text_only.requests == [] and seeing.paths == [COUNT] * 4
+
+
 def test_image_blocks_for_embeds_backends_with_the_sidecar_down_are_an_anthropic_503() -> None:
     """Image blocks reach an embeds backend as chat through the sidecar (tests/gateway/
     test_vision_agent_shapes.py); with no sidecar to encode them the answer is Anthropic's overloaded

@@ -136,6 +136,20 @@ def test_image_blocks_on_a_native_backend_go_as_the_clients_bytes(box: Make) -> 
     assert b.sidecar.calls == []
 
 
+def test_a_count_of_image_blocks_goes_where_its_turn_would_as_the_clients_bytes(box: Make) -> None:
+    """Not to the text-only backend; to the embeds one as sent: a count needs no embeddings."""
+    b = box({"t": "none", "e": "embeds"})
+    for i in range(3):
+        raw = json.dumps(
+            {"model": "m", "system": f"s{i}", "messages": [{"role": "user", "content": [B64_BLOCK]}]}
+        )
+        r = httpx.post(b.url + "/v1/messages/count_tokens", content=raw, timeout=10)
+        assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "e")
+        assert b.engines["e"].raw[-1] == raw.encode()
+    assert b.engines["e"].paths == ["/v1/messages/count_tokens"] * 3 and b.engines["t"].paths == []
+    assert b.sidecar.calls == []
+
+
 def test_a_sidecar_refusal_is_an_anthropic_error_naming_the_clients_block(box: Make) -> None:
     b = box({"e": "embeds"}, sidecar=FakeSidecar(answers={DOG: (400, {"detail": "not an image"})}))
     with pytest.raises(anthropic.BadRequestError) as caught:
