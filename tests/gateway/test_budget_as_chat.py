@@ -17,6 +17,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,6 +29,7 @@ from gateway.app import Gateway, create_app
 from upstreams import serve
 
 BUDGET = 1024  # Anthropic's least budget
+SIM_MODEL = SimConfig().models[0]
 REASONING = 1500  # what the simulator thinks without a cap
 ANSWER = 8
 CHAT = "/v1/chat/completions"
@@ -104,7 +106,7 @@ class Stack:
         return [e.path for e in self.engine.exchanges]
 
 
-Make = Callable[[dict[str, Any]], Stack]
+Make = Callable[..., Stack]
 
 
 @pytest.fixture
@@ -113,7 +115,7 @@ def stack() -> Iterator[Make]:
     behind a gateway whose one backend has those settings."""
     with contextlib.ExitStack() as stack:
 
-        def make(backend: dict[str, Any]) -> Stack:
+        def make(backend: dict[str, Any], **settings: Any) -> Stack:
             cfg = SimConfig(
                 name="a", reasoning=True, reasoning_tokens=(REASONING, REASONING),
                 answer_tokens=(ANSWER, ANSWER), time_scale=0.0, decode_tps=100000.0,
@@ -123,8 +125,7 @@ def stack() -> Iterator[Make]:
             recorder = Recorder(app)
             sim_url, _ = stack.enter_context(serve(recorder))
             backends = [{"id": "a", "url": sim_url, "models": list(cfg.models), **backend}]
-            settings = load_settings(None, backends=backends, canary={"enabled": False})
-            gw_app = create_app(settings)
+            gw_app = create_app(load_settings(None, backends=backends, canary={"enabled": False}, **settings))
             url, _ = stack.enter_context(serve(gw_app))
             return Stack(url, gw_app.state.gateway, recorder, cfg.models[0])
 
@@ -251,3 +252,84 @@ def test_bad_input_keeps_anthropic_s_error_shape_and_reaches_no_engine(stack: Ma
     raw = json.dumps(with_doc).encode()
     httpx.post(s.url + MESSAGES, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert s.paths() == [MESSAGES] and s.engine.exchanges[0].sent == raw
+
+
+def test_a_derived_budget_goes_as_chat_unless_the_translation_refuses_the_request(stack: Make) -> None:
+    """A model's default budget is the gateway's, not the client's: a request the translation cannot carry
+    goes to the engine's own route as sent rather than being refused."""
+    s = stack({"dialect": "sglang"}, models={SIM_MODEL: {"default_budget": 2048}})
+    plain = {k: v for k, v in _ask(s.model).items() if k != "thinking"}
+    assert httpx.post(s.url + MESSAGES, json=plain, timeout=30).status_code == 200
+    assert s.paths() == [CHAT] and s.engine.exchanges[0].body()["custom_params"] == {"thinking_budget": 2048}
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}
+    raw = json.dumps({**plain, "messages": [{"role": "user", "content": [document]}]}).encode()
+    httpx.post(s.url + MESSAGES, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert s.paths() == [CHAT, MESSAGES] and s.engine.exchanges[1].sent == raw
+
+
+# -- /v1/responses: an effort's budget (the model's effort table, as on chat) -------------------------------
+
+LOW = 512  # the default effort table's "low"
+RESPONSES = "/v1/responses"
+
+
+def _openai(s: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_responses_effort_where_the_gateway_enforces_budgets_goes_as_two_chat_phases(
+    stack: Make, stream: bool
+) -> None:
+    s = stack({"dialect": "vllm", "budget_enforcement": "gateway"})
+    ask: dict[str, Any] = {
+        "model": s.model, "input": "why is the sky blue", "reasoning": {"effort": "low"}, "store": False,
+        "max_output_tokens": 4000,
+    }  # fmt: skip
+    client = _openai(s)
+    if stream:
+        with client.responses.stream(**ask) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(**ask)
+    assert s.paths() == [CHAT, CHAT]
+    phase1, phase2 = (e.body() for e in s.engine.exchanges)
+    assert phase1["reasoning_effort"] == "low" and phase1["max_tokens"] == LOW
+    assert "reasoning" not in phase1 and "thinking_token_budget" not in phase1
+    assert phase2["continue_final_message"] is True and phase2["max_tokens"] == 4000 - LOW
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "message"], kinds
+    reasoning = response.output[0].content[0].text  # type: ignore[union-attr,index]
+    assert len(reasoning.split()) == LOW
+    assert len(response.output_text.split()) == ANSWER
+    assert response.status == "completed"
+    usage = s.engine.exchanges[0].chat_usage()
+    assert response.usage is not None
+    assert response.usage.output_tokens == LOW + ANSWER
+    assert response.usage.input_tokens == usage["prompt_tokens"]  # the prompt counted once
+    assert s.gw.metrics.tally.budgets == {"gateway": 1}
+
+
+def test_a_responses_effort_goes_to_the_engines_own_route_where_it_caps_thinking_itself(stack: Make) -> None:
+    s = stack({"dialect": "vllm"})  # vLLM caps budgets itself: its Responses route takes the effort
+    raw = json.dumps(
+        {"model": s.model, "input": "hi", "reasoning": {"effort": "low"}, "store": False}
+    ).encode()
+    r = httpx.post(s.url + RESPONSES, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert s.paths() == [RESPONSES] and s.engine.exchanges[0].sent == raw
+
+
+def test_a_chained_responses_effort_goes_to_the_owner_s_own_route_as_sent(stack: Make) -> None:
+    """Only the engine's Responses route holds the previous response: a chain is never translated, and
+    the effort's budget, which the client did not ask for, is not enforced there."""
+    s = stack({"dialect": "vllm", "budget_enforcement": "gateway"})
+    first = httpx.post(
+        s.url + RESPONSES, json={"model": s.model, "input": "hi", "reasoning": {"effort": "none"}}, timeout=30
+    )
+    assert first.status_code == 200, first.text
+    body = {"model": s.model, "input": "more", "previous_response_id": first.json()["id"]}
+    raw = json.dumps({**body, "reasoning": {"effort": "low"}}).encode()
+    r = httpx.post(s.url + RESPONSES, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert s.paths() == [RESPONSES, RESPONSES] and s.engine.exchanges[1].sent == raw
