@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backends.sim import SimConfig
 from backends.sim.app import create_sim_app, engine_of
+from backends.sim.config import Faults
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
 
@@ -41,6 +42,7 @@ class Exchange:
     path: str
     sent: bytes  # what the engine received
     answered: bytes = b""  # what it answered (a whole body, or the stream's events)
+    status: int = 0
 
     def body(self) -> dict[str, Any]:
         doc: dict[str, Any] = json.loads(self.sent)
@@ -85,7 +87,9 @@ class Recorder:
             return {"type": "http.request", "body": exchange.sent, "more_body": False}
 
         async def keep(message: Message) -> None:
-            if message["type"] == "http.response.body":
+            if message["type"] == "http.response.start":
+                exchange.status = message["status"]
+            elif message["type"] == "http.response.body":
                 exchange.answered += message.get("body", b"")
             await send(message)
 
@@ -265,6 +269,36 @@ def test_a_derived_budget_goes_as_chat_unless_the_translation_refuses_the_reques
     raw = json.dumps({**plain, "messages": [{"role": "user", "content": [document]}]}).encode()
     httpx.post(s.url + MESSAGES, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert s.paths() == [CHAT, MESSAGES] and s.engine.exchanges[1].sent == raw
+
+
+def test_a_retry_on_an_engine_that_caps_it_itself_gets_the_clients_bytes() -> None:
+    """Per attempt: the SGLang attempt went as chat and failed before its first byte; the retry on vLLM,
+    whose Messages route caps ``budget_tokens`` itself, is the client's body on its own route."""
+    with contextlib.ExitStack() as stack:
+        recorders: dict[str, Recorder] = {}
+        backends = []
+        for name, dialect, fail in (("s", "sglang", 1), ("v", "vllm", 0)):
+            cfg = SimConfig(name=name, time_scale=0.0, faults=Faults(fail_next=fail))
+            app = create_sim_app(cfg)
+            stack.callback(engine_of(app).close)
+            recorders[name] = Recorder(app)
+            sim_url, _ = stack.enter_context(serve(recorders[name]))
+            backends.append({"id": name, "url": sim_url, "models": list(cfg.models), "dialect": dialect})
+        settings = load_settings(None, backends=backends, canary={"enabled": False})
+        url, _ = stack.enter_context(serve(create_app(settings)))
+        sent: dict[str, bytes] = {}
+        for i in range(4):  # new conversations spread over both engines: one reaches "s" first
+            raw = json.dumps(_ask(SIM_MODEL, system=f"agent {i}")).encode()
+            r = httpx.post(
+                url + MESSAGES, content=raw, headers={"content-type": "application/json"}, timeout=30
+            )
+            assert r.status_code == 200, r.text
+            sent[f"agent {i}"] = raw
+    failed = recorders["s"].exchanges[0]
+    assert (failed.path, failed.status) == (CHAT, 500)  # the translated attempt, failed before its first byte
+    system = failed.body()["messages"][0]["content"]
+    retried = [e for e in recorders["v"].exchanges if e.sent == sent[system]]
+    assert [e.path for e in retried] == [MESSAGES]  # the client's bytes on vLLM's own route
 
 
 # -- /v1/responses: an effort's budget (the model's effort table, as on chat) -------------------------------
