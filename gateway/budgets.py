@@ -198,7 +198,9 @@ def budget_as_chat(ctx: RequestContext, backend: Backend) -> bool:
       phases.
     - Responses (an effort, the model's effort table giving the budget, as on chat): where the gateway
       would enforce the budget on chat (``gateway_enforces``: dialect ``openai``, ``budget_enforcement:
-      gateway``). Elsewhere the effort goes to the engine's own Responses route, its own control.
+      gateway``), and only for a response the client does not keep (``store: false``, as Codex sends): a
+      translated answer is stored nowhere, so a later ``previous_response_id`` could not find it. Elsewhere
+      the effort goes to the engine's own Responses route, its own control.
 
     A derived budget (no client ``budget_tokens``) on a request the translation refuses (a stored
     response's chain, a built-in tool) goes to the engine's own route instead (gateway/translation.py)."""
@@ -207,7 +209,8 @@ def budget_as_chat(ctx: RequestContext, backend: Backend) -> bool:
         return False
     cfg = backend.cfg
     if ctx.shape.thinking is ThinkingUse.EFFORT:
-        return gateway_enforces(cfg.budget_enforcement, cfg.dialect, thinking)
+        kept = ctx.body is None or ctx.body.get("store") is not False
+        return not kept and gateway_enforces(cfg.budget_enforcement, cfg.dialect, thinking)
     if ctx.shape.thinking_ask is None:
         return False
     capped = ctx.shape.name in DIALECTS[cfg.dialect].capped_shapes

@@ -354,6 +354,18 @@ def test_a_responses_effort_goes_to_the_engines_own_route_where_it_caps_thinking
     assert s.paths() == [RESPONSES] and s.engine.exchanges[0].sent == raw
 
 
+def test_a_responses_effort_on_a_response_the_engine_may_store_goes_to_its_own_route(stack: Make) -> None:
+    """``store`` left out: the engine keeps the response for a later ``previous_response_id``, which a
+    translated answer could not serve; so the effort goes to the engine's own route, as sent."""
+    s = stack({"dialect": "vllm", "budget_enforcement": "gateway"})
+    raw = json.dumps({"model": s.model, "input": "hi", "reasoning": {"effort": "low"}}).encode()
+    r = httpx.post(s.url + RESPONSES, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert s.paths() == [RESPONSES] and s.engine.exchanges[0].sent == raw
+    follow = {"model": s.model, "input": "more", "previous_response_id": r.json()["id"]}
+    assert httpx.post(s.url + RESPONSES, json=follow, timeout=30).status_code == 200
+
+
 def test_a_chained_responses_effort_goes_to_the_owner_s_own_route_as_sent(stack: Make) -> None:
     """Only the engine's Responses route holds the previous response: a chain is never translated, and
     the effort's budget, which the client did not ask for, is not enforced there."""
@@ -362,7 +374,7 @@ def test_a_chained_responses_effort_goes_to_the_owner_s_own_route_as_sent(stack:
         s.url + RESPONSES, json={"model": s.model, "input": "hi", "reasoning": {"effort": "none"}}, timeout=30
     )
     assert first.status_code == 200, first.text
-    body = {"model": s.model, "input": "more", "previous_response_id": first.json()["id"]}
+    body = {"model": s.model, "input": "more", "previous_response_id": first.json()["id"], "store": False}
     raw = json.dumps({**body, "reasoning": {"effort": "low"}}).encode()
     r = httpx.post(s.url + RESPONSES, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 200, r.text
