@@ -96,15 +96,15 @@ class BudgetPolicy:
         model: str | None,
     ) -> Thinking | None:
         """For shapes with an effort only (``ThinkingUse.EFFORT``): the body's effort at ``path`` (the shape
-        validated it), else the effort header's; None if neither, or the model does not think."""
+        validated it), else the effort header's, resolved as chat's ``reasoning_effort`` is (the model's
+        effort table gives its budget; no effort: the model's default budget). The budget is never the
+        client's (``explicit`` False): where it cannot be applied it is not enforced (``budget_as_chat``)."""
         value = read_path(body, path)
         if value is None:
             value = _effort({}, _header(headers, self.effort_header), self.cfg.effort_header)
         elif value not in EFFORTS:
             raise BadRequest(f"'{'.'.join(path)}' must be one of {', '.join(EFFORTS)}", param=".".join(path))
-        if value is None or not self.model(model).thinks:
-            return None
-        return Thinking(None, str(value), False)
+        return self.decide(BudgetAsk(None, None if value is None else str(value), ".".join(path)), model)
 
 
 class BudgetStep:
@@ -166,30 +166,55 @@ class BudgetStep:
         """A shape with its own thinking fields (Anthropic's ``thinking``): the client's go to the engine as
         sent, its native route caps them; a budget the gateway derived is written by the shape.
 
-        Seam: where the gateway would have to enforce the cap itself (``budget_enforcement: gateway``, or a
-        dialect without a native cap), its two phases continue chat completions; this attempt would first
-        have to be translated to chat (gateway/translate). Until then it is refused, never sent uncapped."""
+        Where only the gateway could cap it (``budget_as_chat``) the attempt was translated to chat by the
+        first prepare step (gateway/translation.py) and never reaches here; one that does anyway is refused,
+        never sent uncapped."""
         thinking = ctx.thinking
         if thinking is None:
             return
-        dialect, mode = backend.cfg.dialect, backend.cfg.budget_enforcement
-        if _needs_gateway(mode, ctx.shape.name in DIALECTS[dialect].capped_shapes, thinking):
-            why = (
-                f"dialect {dialect} does not cap it on this route"
-                if mode is BudgetEnforcement.AUTO
-                else f"it is configured budget_enforcement: {mode}"
-            )
-            raise BudgetNotEnforceable(
-                f"backend {backend.id} would need the gateway to cap thinking on {ctx.shape.path} ({why}), "
-                "and the gateway enforces budgets on chat completions only; send it to /v1/chat/completions",
-                param="thinking",
-            )
+        if budget_as_chat(ctx, backend):
+            if thinking.explicit:
+                raise BudgetNotEnforceable(
+                    f"backend {backend.id} does not cap thinking on {ctx.shape.path}, and this attempt was "
+                    "not translated to chat completions, where the gateway enforces it",
+                    param="thinking",
+                )
+            return  # a derived budget on a request the translation refused: the client's bytes
         spell = ctx.shape.thinking_spell
         body = draft.read()
         field = None if spell is None or body is None else spell(body, thinking)
         if field is not None:
             draft.edit()[field[0]] = field[1]
         self.metrics.budget_attempt("off" if thinking.off else "native")
+
+
+def budget_as_chat(ctx: RequestContext, backend: Backend) -> bool:
+    """This attempt should go as chat (gateway/translation.py translates it) for its thinking budget to
+    apply: a positive cap that the backend's native route for the shape does not enforce.
+
+    - Messages (its own ``thinking`` fields): where the dialect's route does not cap it (``capped_shapes``:
+      SGLang accepts ``budget_tokens`` on ``/v1/messages`` without enforcing it), or the backend says
+      ``budget_enforcement: gateway``. As chat the cap is the dialect's chat field or the gateway's two
+      phases.
+    - Responses (an effort, the model's effort table giving the budget, as on chat): where the gateway
+      would enforce the budget on chat (``gateway_enforces``: dialect ``openai``, ``budget_enforcement:
+      gateway``), and only for a response the client does not keep (``store: false``, as Codex sends): a
+      translated answer is stored nowhere, so a later ``previous_response_id`` could not find it. Elsewhere
+      the effort goes to the engine's own Responses route, its own control.
+
+    A derived budget (no client ``budget_tokens``) on a request the translation refuses (a stored
+    response's chain, a built-in tool) goes to the engine's own route instead (gateway/translation.py)."""
+    thinking = ctx.thinking
+    if thinking is None or not thinking.budget:
+        return False
+    cfg = backend.cfg
+    if ctx.shape.thinking is ThinkingUse.EFFORT:
+        kept = ctx.body is None or ctx.body.get("store") is not False
+        return not kept and gateway_enforces(cfg.budget_enforcement, cfg.dialect, thinking)
+    if ctx.shape.thinking_ask is None:
+        return False
+    capped = ctx.shape.name in DIALECTS[cfg.dialect].capped_shapes
+    return _needs_gateway(cfg.budget_enforcement, capped, thinking)
 
 
 def read_path(body: dict[str, Any] | None, path: tuple[str, ...]) -> Any:

@@ -9,14 +9,14 @@ from typing import Any
 from gateway.sidecar import Encoding
 
 
-def content_parts(items: Any) -> Iterator[tuple[int, int, dict[str, Any]]]:
-    """(item index, part index, part) for each object part of each item's list ``content``, in order: the
-    walk every shape's image finder makes over chat ``messages``, Messages ``messages`` and Responses
-    ``input``; anything else in the body is skipped."""
+def content_parts(items: Any, field: str = "content") -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(item index, part index, part) for each object part of each item's list ``field`` (``content``, or a
+    Responses tool output's ``output``), in order: the walk every shape's image finder makes over chat
+    ``messages``, Messages ``messages`` and Responses ``input``; anything else in the body is skipped."""
     if not isinstance(items, list):
         return
     for i, item in enumerate(items):
-        content = item.get("content") if isinstance(item, dict) else None
+        content = item.get(field) if isinstance(item, dict) else None
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if isinstance(part, dict):

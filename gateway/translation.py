@@ -5,11 +5,15 @@ One module, two hooks (gateway/phases.py):
 - ``prepare`` (a ``PrepareStep``, the first one): when the backend's dialect does not serve the request's
   shape natively (backends/dialects.py ``native_shapes``), or the request holds images and the backend is
   ``vision: embeds`` (neither vLLM's Messages nor its Responses route takes image embeddings; its chat route
-  does: gateway/vision.py ``as_chat``), the attempt's ``Draft`` becomes the chat request
-  (gateway/translate/), the attempt goes to ``/v1/chat/completions`` and is marked ``translated``. Every
-  later step sees a chat body: the thinking budget is spelled for chat (so this step runs before the budget
-  step), images are chat ``image_url`` parts, the engine priority is a chat field. A retry on an engine that
-  serves the shape starts again from the client's body.
+  does: gateway/vision.py ``as_chat``), or it asks a thinking cap the backend's native route does not
+  enforce (SGLang's Messages route, ``budget_enforcement: gateway``, a Responses effort's budget where the
+  gateway enforces budgets: gateway/budgets.py ``budget_as_chat``; as chat the cap is the dialect's chat
+  field or the gateway's two phases; a derived budget on a request the translation refuses goes to the
+  engine's own route instead), the attempt's ``Draft`` becomes the chat request (gateway/translate/), the
+  attempt goes to ``/v1/chat/completions`` and is marked ``translated``. Every later step sees a chat body:
+  the thinking budget is spelled for chat (so this step runs before the budget step), images are chat
+  ``image_url`` parts, the engine priority is a chat field. A retry on an engine that serves the shape
+  starts again from the client's body.
 - ``body_filter`` (a ``BodyFilters``, the first one): the engine's chat answer back in the client's shape:
   each streamed chunk as that shape's events, a whole body translated once held, and the engine's own error
   answers rendered as the client shape's errors. Every later filter (the guard, reasoning fields) and the
@@ -28,8 +32,9 @@ from typing import Any, Protocol
 
 from backends.dialects import DIALECTS, ShapeName
 from backends.registry import Backend
+from gateway.budgets import budget_as_chat
 from gateway.context import Attempt, Draft, RequestContext, canonical_json
-from gateway.errors import EngineRefused, UpstreamError
+from gateway.errors import BadRequest, EngineRefused, UpstreamError
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.shapes.base import ErrorShape, ThinkingUse
 from gateway.sse import Event, Overflow, Piece
@@ -109,11 +114,19 @@ class Translation:
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         translator = self.translators.get(ctx.shape.name)
-        if translator is None or (self.serves(backend, translator.shape) and not as_chat(ctx, backend)):
+        if translator is None:
+            return
+        needed = not self.serves(backend, translator.shape) or as_chat(ctx, backend)
+        if not needed and not budget_as_chat(ctx, backend):
             return
         source = draft.read()
         assert source is not None and ctx.attempt is not None  # only owned bodies reach the prepare steps
-        chat = translator.request(source)  # a BadRequest names the client's field
+        try:
+            chat = translator.request(source)  # a BadRequest names the client's field
+        except BadRequest:
+            if needed or ctx.thinking is None or ctx.thinking.explicit:
+                raise  # never sent uncapped, nor to a route the engine lacks
+            return  # a budget the gateway derived: the engine's own route, with its own effort control
         if ctx.shape.thinking is ThinkingUse.IGNORE:
             chat.pop("thinking_budget", None)  # nobody resolves it: it would reach the engine as sent
         body = draft.edit()

@@ -75,9 +75,10 @@ class ThinkingUse(StrEnum):
     RESOLVE = "resolve"  # read and validated (a bad value is a 400), then spelled per dialect
     REFUSE = "refuse"  # a budget field is refused with a 400: the shape has no reasoning to cap
     IGNORE = "ignore"  # not looked at (bodies the gateway does not own)
-    #: An effort only, at the shape's ``effort_path``: validated, then spelled per dialect; no token cap (the
-    #: shape's engines read none and the gateway's two-phase cap continues a chat message), so a
-    #: ``thinking_budget`` is refused with a 400.
+    #: An effort only, at the shape's ``effort_path``: validated, resolved as chat's (the model's effort
+    #: table gives its budget), spelled per dialect on the shape's own route, which reads no token cap; the
+    #: budget applies where the attempt goes as chat (gateway/budgets.py ``budget_as_chat``). The client's
+    #: own ``thinking_budget`` is refused with a 400.
     EFFORT = "effort"
 
 

@@ -308,7 +308,10 @@ MESSAGES = ApiShape(
 )
 
 #: Routed where its conversation is pinned, without pinning; its answer (``{"input_tokens": N}``) has no
-#: usage, text or stop reason, and it generates nothing, so no budget is spelled.
+#: usage, text or stop reason, and it generates nothing, so no budget is spelled. Its candidates are its
+#: turn's (gateway/vision.py): image blocks never go to ``vision: none`` backends, and ``embeds`` ones are
+#: eligible as for the Message. The count itself always goes as the client's bytes: there is no translation
+#: of a count to chat, and counting needs no image embeddings, so the sidecar is never asked.
 COUNT_TOKENS = ApiShape(
     name="count_tokens",
     path="/v1/messages/count_tokens",
@@ -316,7 +319,11 @@ COUNT_TOKENS = ApiShape(
     key=key,
     errors=ANTHROPIC_ERRORS,
     usage=lambda _data: None,
+    vision=True,
     pins=False,
     turns=messages_shape,
+    images=images,
+    embeds=False,
+    embeds_via_chat=True,  # the routing of its turn; no translator exists for it (gateway/translation.py)
     ratelimit=RateLimitStyle.ANTHROPIC,
 )

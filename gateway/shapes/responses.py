@@ -169,14 +169,18 @@ def _chat_content(content: Any) -> Any:
 
 
 def images(body: dict[str, Any]) -> tuple[ImagePart, ...]:
-    """The ``input_image`` parts of the input items, in order: their ``image_url`` (an http(s) URL or a
-    ``data:`` URL), or ``file_id:<id>`` for an image by file id (only a ``vision: native`` engine can read
-    that; the translation to chat refuses it with a 400 naming the part)."""
+    """The ``input_image`` parts of the input items' ``content`` and of tool outputs' ``output`` lists (a
+    screenshot a tool returned), in order: their ``image_url`` (an http(s) URL or a ``data:`` URL), or
+    ``file_id:<id>`` for an image by file id (only a ``vision: native`` engine can read that; the
+    translation to chat refuses it with a 400 naming the part)."""
     found: list[ImagePart] = []
-    for i, j, part in content_parts(body.get("input")):
-        if part.get("type") == "input_image":
-            at = f"input[{i}].content[{j}]"
-            found.append(ImagePart(i, j, _image_url(part, at), f"{at}.image_url"))
+    items = body.get("input")
+    for where in ("content", "output"):
+        for i, j, part in content_parts(items, where):
+            if part.get("type") == "input_image":
+                at = f"input[{i}].{where}[{j}]"
+                found.append(ImagePart(i, j, _image_url(part, at), f"{at}.image_url"))
+    found.sort(key=lambda image: (image.message, image.part))  # an item has content or an output, not both
     return tuple(found)
 
 

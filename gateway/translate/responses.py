@@ -5,9 +5,11 @@ Request: ``instructions`` becomes the first system message; ``input`` (a string,
 messages: message items (``developer`` as ``system``; ``input_text``/``output_text`` parts as text,
 ``input_image`` as ``image_url``), consecutive ``function_call`` items one assistant message's
 ``tool_calls`` (joined to the assistant message before them), ``function_call_output`` items ``tool``
-messages, a ``reasoning`` item's text the next assistant message's ``reasoning_content``. Function tools,
-``tool_choice``, ``max_output_tokens``, ``reasoning.effort`` (the gateway's ``reasoning_effort``) and
-``text.format`` (``response_format``) are translated.
+messages (an output list's text parts their text; its ``input_image`` parts, which a chat tool message
+cannot hold, one user message after the run of tool messages), a ``reasoning`` item's text the next
+assistant message's ``reasoning_content``. Function tools, ``tool_choice``, ``max_output_tokens``,
+``reasoning.effort`` (the gateway's ``reasoning_effort``) and ``text.format`` (``response_format``) are
+translated.
 
 Answer: a ``response`` object whose output is a reasoning item (when the engine reasoned), a message item
 (its text) and one ``function_call`` item per tool call; ``status`` ``incomplete`` with
@@ -48,6 +50,13 @@ from gateway.translate.common import (
     tools_of,
 )
 
+_OUTPUT_PART = Untranslated(
+    "input[].output[].type",
+    Treatment.REFUSED,
+    "a tool output's input_file parts and images by file_id have no chat part; input_text and input_image "
+    "parts are translated",
+)
+
 #: Fields a chat engine cannot be asked for faithfully: refused with a 400 naming them, or dropped.
 UNTRANSLATED: tuple[Untranslated, ...] = (
     Untranslated("previous_response_id", Treatment.REFUSED, "a chat engine keeps no responses; send the "
@@ -67,6 +76,7 @@ UNTRANSLATED: tuple[Untranslated, ...] = (
                  "no chat part"),
     Untranslated("tool_choice.type", Treatment.REFUSED, "allowed_tools and built-in tool choices have no "
                  "chat equivalent"),
+    _OUTPUT_PART,
     custom_tools.GRAMMAR,
     Untranslated("include", Treatment.DROPPED, "extra output (encrypted reasoning, logprobs of built-in "
                  "tools) is not produced"),
@@ -89,6 +99,7 @@ _BUILT_IN = UNTRANSLATED[5]
 _ITEM = UNTRANSLATED[6]
 _PART = UNTRANSLATED[7]
 _CHOICE = UNTRANSLATED[8]
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 _COPIED = {"temperature": "temperature", "top_p": "top_p", "parallel_tool_calls": "parallel_tool_calls",
            "max_output_tokens": "max_tokens", "top_logprobs": "top_logprobs"}  # fmt: skip
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -130,10 +141,14 @@ def request(body: dict[str, Any]) -> dict[str, Any]:
 
 def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
     reasoning: list[str] = []  # a reasoning item's text, for the assistant message after it
+    images: list[dict[str, Any]] = []  # tool outputs' images, for a user message after their tool messages
     for i, item in enumerate(items):
         where = f"input[{i}]"
         item = object_at(item, where)
         kind = item.get("type", "message")
+        if images and kind not in _OUTPUTS:
+            messages.append({"role": "user", "content": images})
+            images = []
         if kind == "message":
             msg = _message(item, where)
             if msg["role"] == "assistant" and reasoning:
@@ -150,8 +165,8 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
                 last["reasoning_content"] = "".join(reasoning)
                 reasoning = []
             last.setdefault("tool_calls", []).append(call)
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = text_of(item.get("output"), f"{where}.output", _TEXT_PARTS)
+        elif kind in _OUTPUTS:
+            output = _output(item.get("output"), f"{where}.output", images)
             call_id = string_at(item.get("call_id"), f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
@@ -161,6 +176,34 @@ def _items(items: list[Any], messages: list[dict[str, Any]]) -> None:
                     reasoning.append(part["text"])
         else:
             refuse(_ITEM, f"{where}.type")
+    if images:
+        messages.append({"role": "user", "content": images})
+
+
+def _output(output: Any, where: str, images: list[dict[str, Any]]) -> str:
+    """A tool output's text; the ``input_image`` parts of an output list are appended to ``images``."""
+    if not isinstance(output, list):
+        return text_of(output, where, _TEXT_PARTS)
+    texts: list[str] = []
+    for k, part in enumerate(output):
+        at = f"{where}[{k}]"
+        part = object_at(part, at)
+        kind = part.get("type")
+        if kind in _TEXT_PARTS:
+            texts.append(string_at(part.get("text"), f"{at}.text"))
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            images.append(_image_part(part))
+        else:
+            refuse(_OUTPUT_PART, f"{at}.type")
+    return "".join(texts)
+
+
+def _image_part(part: dict[str, Any]) -> dict[str, Any]:
+    """An ``input_image`` part with a URL as chat's ``image_url`` part (its ``detail`` kept)."""
+    image: dict[str, Any] = {"url": part["image_url"]}
+    if isinstance(part.get("detail"), str):
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
 
 
 def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -198,10 +241,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         elif kind == "refusal":
             parts.append({"type": "text", "text": string_at(part.get("refusal"), f"{at}.refusal")})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
-            image: dict[str, Any] = {"url": part["image_url"]}
-            if isinstance(part.get("detail"), str):
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
+            parts.append(_image_part(part))
         else:
             refuse(_PART, f"{at}.type")
     if all(p["type"] == "text" for p in parts):

@@ -356,25 +356,6 @@ def test_derived_budgets_are_spelled_per_anthropic_s_rules() -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        {"dialect": "vllm", "budget_enforcement": "gateway"},
-        {"dialect": "sglang"},  # its Messages route accepts budget_tokens and does not enforce it
-    ],
-)
-def test_a_budget_the_gateway_would_have_to_enforce_is_refused_not_sent_uncapped(
-    backend: dict[str, Any],
-) -> None:
-    engine = AnthropicEngine("a")
-    with gateway([engine], backend) as (url, _gw):
-        r = post(url, turn1(thinking={"type": "enabled", "budget_tokens": 1024}))
-        message = anthropic_error(r, 400, "invalid_request_error")
-        assert "cap thinking on /v1/messages" in message and "/v1/chat/completions" in message
-        assert post(url, turn1(thinking={"type": "disabled"})).status_code == 200  # off needs no enforcing
-    assert len(engine.requests) == 1
-
-
 def test_llama_cpp_caps_the_client_s_budget_itself() -> None:
     engine = AnthropicEngine("a")
     with gateway([engine], {"dialect": "llamacpp"}) as (url, _gw):
@@ -412,6 +393,28 @@ def test_image_blocks_never_go_to_text_only_backends() -> None:
         }
         assert "source" in anthropic_error(post(url, bad), 400, "invalid_request_error")
     assert text_only.requests == [] and len(seeing.requests) == 3
+
+
+def test_a_count_of_image_blocks_goes_only_where_its_turn_could() -> None:
+    """The count's candidates are its turn's: never a text-only backend; a model with only text-only
+    backends is a 400 on the count as on the turn."""
+    text_only, seeing = AnthropicEngine("t"), AnthropicEngine("v")
+    with contextlib.ExitStack() as stack:
+        urls = {e.name: stack.enter_context(serve(e.app()))[0] for e in (text_only, seeing)}
+        backends = [
+            {"id": "t", "url": urls["t"], "models": ["m", "text"], "vision": "none"},
+            {"id": "v", "url": urls["v"], "models": ["m"], "vision": "native"},
+        ]
+        app = create_app(load_settings(None, backends=backends, canary={"enabled": False}))
+        url, _ = stack.enter_context(serve(app))
+        content = [IMAGE, {"type": "text", "text": "what is it?"}]
+        for i in range(4):
+            count = {"model": "m", "system": f"s{i}", "messages": [{"role": "user", "content": content}]}
+            r = post(url, count, COUNT)
+            assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "v")
+        text = {"model": "text", "messages": [{"role": "user", "content": content}]}
+        assert "text-only" in anthropic_error(post(url, text, COUNT), 400, "invalid_request_error")
+    assert text_only.requests == [] and seeing.paths == [COUNT] * 4
 
 
 def test_image_blocks_for_embeds_backends_with_the_sidecar_down_are_an_anthropic_503() -> None:

@@ -323,7 +323,9 @@ def test_reasoning_effort_goes_as_sent_where_the_dialect_reads_it(cluster: Clust
 def test_an_effort_the_dialect_lacks_is_left_out_and_a_header_effort_is_spelled_in(
     cluster: ClusterFactory,
 ) -> None:
-    c = cluster(engines=[ResponsesEngine("a")])
+    # The engine caps thinking itself: its effort goes to its own Responses route (tests/gateway/
+    # test_budget_as_chat.py: where the gateway enforces budgets, an effort's budget goes as chat).
+    c = cluster(engines=[ResponsesEngine("a")], backend={"budget_enforcement": "native"})
     body = {"model": "m", "input": "x", "reasoning": {"effort": "max", "summary": "auto"}}
     assert httpx.post(c.url + "/v1/responses", json=body).status_code == 200
     headed = httpx.post(

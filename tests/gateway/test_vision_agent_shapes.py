@@ -136,6 +136,20 @@ def test_image_blocks_on_a_native_backend_go_as_the_clients_bytes(box: Make) -> 
     assert b.sidecar.calls == []
 
 
+def test_a_count_of_image_blocks_goes_where_its_turn_would_as_the_clients_bytes(box: Make) -> None:
+    """Not to the text-only backend; to the embeds one as sent: a count needs no embeddings."""
+    b = box({"t": "none", "e": "embeds"})
+    for i in range(3):
+        raw = json.dumps(
+            {"model": "m", "system": f"s{i}", "messages": [{"role": "user", "content": [B64_BLOCK]}]}
+        )
+        r = httpx.post(b.url + "/v1/messages/count_tokens", content=raw, timeout=10)
+        assert (r.status_code, r.headers["x-warmroute-backend"]) == (200, "e")
+        assert b.engines["e"].raw[-1] == raw.encode()
+    assert b.engines["e"].paths == ["/v1/messages/count_tokens"] * 3 and b.engines["t"].paths == []
+    assert b.sidecar.calls == []
+
+
 def test_a_sidecar_refusal_is_an_anthropic_error_naming_the_clients_block(box: Make) -> None:
     b = box({"e": "embeds"}, sidecar=FakeSidecar(answers={DOG: (400, {"detail": "not an image"})}))
     with pytest.raises(anthropic.BadRequestError) as caught:
@@ -211,6 +225,61 @@ def test_a_chained_image_request_to_an_embeds_backend_is_a_400_naming_previous_r
     assert b.engines["e"].raw == [] and b.sidecar.calls == []
 
 
+def _tool_outputs(*images: str) -> list[Any]:
+    """A Codex-shaped turn: a call, its output with text and ``images`` (a screenshot), a user follow-up."""
+    shots = [{"type": "input_image", "image_url": url} for url in images]
+    return [
+        {"role": "user", "content": "open the page"},
+        {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+        {
+            "type": "function_call_output",
+            "call_id": "c1",
+            "output": [{"type": "input_text", "text": "ok"}, *shots],
+        },
+        {"role": "user", "content": "what does it show?"},
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_outputs_input_image_reaches_an_embeds_backend_after_its_tool_message(
+    box: Make, stream: bool
+) -> None:
+    b = box({"e": "embeds"})
+    client = b.openai()
+    items: Any = _tool_outputs(CAT)
+    if stream:
+        with client.responses.stream(model="m", input=items, store=False) as s:
+            text = s.get_final_response().output_text
+    else:
+        text = client.responses.create(model="m", input=items, store=False).output_text
+    assert text.startswith("e-0") and b.engines["e"].paths == ["/v1/chat/completions"]
+    (sent,) = b.received("e")
+    assert sent["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "user", "content": [EMBEDS_PART]},
+        {"role": "user", "content": "what does it show?"},
+    ]
+    assert b.sidecar.calls == [CAT]
+
+
+def test_a_tool_outputs_input_image_never_reaches_a_text_only_backend(box: Make) -> None:
+    b = box({"t": "none", "n": "native"})
+    for i in range(3):
+        body = {"model": "m", "input": _tool_outputs(DOG), "instructions": f"{i}"}
+        assert httpx.post(b.url + "/v1/responses", json=body, timeout=10).status_code == 200
+    assert b.engines["t"].raw == [] and b.engines["n"].paths == ["/v1/responses"] * 3
+
+
+def test_a_tool_outputs_image_by_file_id_is_a_400_naming_it_for_an_embeds_backend(box: Make) -> None:
+    b = box({"e": "embeds"})
+    items = _tool_outputs()
+    items[2]["output"].append({"type": "input_image", "file_id": "file_1"})
+    r = httpx.post(b.url + "/v1/responses", json={"model": "m", "input": items}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[2].output[1].type"
+    assert b.engines["e"].raw == [] and b.sidecar.calls == []
+
+
 def test_an_input_image_without_url_or_file_id_is_a_400_naming_it(box: Make) -> None:
     b = box({"e": "embeds"})
     body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}]}
@@ -254,12 +323,23 @@ def test_the_responses_finder_sees_input_images_by_url_data_url_and_file_id() ->
             {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": CAT}]},
             {"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]},
             {"type": "function_call_output", "call_id": "c", "output": "ok"},
+            {
+                "type": "function_call_output",
+                "call_id": "d",
+                "output": [
+                    {"type": "input_text", "text": "shot:"},
+                    {"type": "input_image", "image_url": DOG},
+                ],
+            },
+            {"role": "user", "content": [{"type": "input_image", "image_url": CAT}]},
         ]
     }
     assert [(p.url, p.param) for p in images(body)] == [
         (DOG, "input[0].content[1].image_url"),
         (CAT, "input[1].content[0].image_url"),
         ("file_id:file_1", "input[2].content[0].image_url"),
+        (DOG, "input[4].output[1].image_url"),
+        (CAT, "input[5].content[0].image_url"),
     ]
     assert images({"input": "just text"}) == ()
 

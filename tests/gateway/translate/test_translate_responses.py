@@ -147,6 +147,45 @@ def test_a_string_input_and_an_assistant_text_followed_by_a_call_share_one_messa
     ]
 
 
+def test_tool_outputs_images_open_one_user_message_after_their_run_of_tool_messages() -> None:
+    cat, dog = "data:image/png;base64,AAAA", "https://x.example/dog.png"
+    items = [
+        {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "d", "name": "f", "arguments": "{}"},
+        {
+            "type": "function_call_output",
+            "call_id": "c",
+            "output": [{"type": "input_text", "text": "one"}, {"type": "input_image", "image_url": cat}],
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "d",
+            "output": [{"type": "input_image", "image_url": dog, "detail": "low"}],
+        },
+        {"role": "user", "content": "and?"},
+    ]
+    out = responses.request({"model": "m", "input": items})["messages"]
+    assert out[2:] == [
+        {"role": "tool", "tool_call_id": "c", "content": "one"},
+        {"role": "tool", "tool_call_id": "d", "content": ""},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": cat}},
+                {"type": "image_url", "image_url": {"url": dog, "detail": "low"}},
+            ],
+        },
+        {"role": "user", "content": "and?"},
+    ]
+    last = responses.request({"model": "m", "input": items[:4]})["messages"]  # the output ends the input
+    assert last[-1] == {"role": "user", "content": [{"type": "image_url", "image_url": {"url": cat}}]}
+    file_part = {**items[3], "output": [{"type": "input_file", "file_id": "f1"}]}
+    with pytest.raises(BadRequest) as caught:
+        responses.request({"model": "m", "input": [*items[:3], file_part]})
+    assert caught.value.param == "input[3].output[0].type"
+
+
 def test_tool_choice_and_json_object() -> None:
     base = {"model": "m", "input": "x"}
     out = responses.request({**base, "tool_choice": {"type": "function", "name": "f"}})
