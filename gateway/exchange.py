@@ -102,7 +102,8 @@ class Relay:
             result = await self._pump(ctx, upstream, sse, head, send, filters)
         finally:
             for f in filters:
-                f.close()
+                if f.own_close:
+                    f.close()
         if not isinstance(result, UpstreamError):
             assert ctx.upstream is not None
             ctx.outcome = answered(ctx.upstream.status)
@@ -211,12 +212,13 @@ class Relay:
             else:
                 await self._body(ctx, response, sse, send, watch, filters)
             for f in filters:
-                if (payload := f.follow_up()) is not None:
+                if f.own_follow_up and (payload := f.follow_up()) is not None:
                     break
             else:
                 break
             for f in filters:
-                f.continued()
+                if f.own_continued:
+                    f.continued()
             response = await self._follow(ctx, response, payload, watch)
         ended = _ended(filters)
         tail = b"".join([p.raw for p in ended]) if ended else b""
@@ -242,7 +244,9 @@ class Relay:
         """One exchange's body, relayed as it comes: a stream event by event, a plain body chunk by chunk."""
         assert ctx.lease is not None
         splitter = EventSplitter(self.limits.max_event_bytes) if sse and filters else None
-        rewrites = any(f.rewrites for f in filters)
+        rewrites = False
+        for f in filters:  # not ``any()``: a generator per response
+            rewrites = rewrites or f.rewrites
         clock = asyncio.get_running_loop().time
         # The engine's reads, each proof it is alive whatever a filter holds back (an event not ended yet).
         # The per-read bookkeeping is inline: a generator layer per read cost more than a filter.
@@ -378,7 +382,8 @@ def _ended(filters: tuple[BodyFilter, ...]) -> list[Piece]:
     for f in filters:
         if out:
             out = f.events(out)
-        out += f.end()
+        if f.own_end:
+            out += f.end()
     return out
 
 

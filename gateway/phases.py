@@ -107,6 +107,12 @@ class BodyFilter(Protocol):
 
     holds: bool  # a non-streamed body is read whole (bounded) before it is given to ``body``
     rewrites: bool  # it may change what is sent (else the engine's reads go on as they came)
+    # Whether it has its own ``follow_up``, ``continued``, ``end``, ``close``: the relay calls only those
+    # (``BodyFilterBase`` sets them per class; most filters have none of the four).
+    own_follow_up: bool
+    own_continued: bool
+    own_end: bool
+    own_close: bool
 
     def events(self, pieces: list[Piece]) -> list[Piece]: ...
 
@@ -121,11 +127,20 @@ class BodyFilter(Protocol):
     def close(self) -> None: ...
 
 
+_OPTIONAL_HOOKS = ("follow_up", "continued", "end", "close")
+
+
 class BodyFilterBase:
-    """Each hook's do-nothing default: a filter overrides what it needs."""
+    """Each hook's do-nothing default: a filter overrides what it needs (``own_*`` say which it did)."""
 
     holds = False
     rewrites = False
+    own_follow_up = own_continued = own_end = own_close = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook in _OPTIONAL_HOOKS:
+            setattr(cls, f"own_{hook}", getattr(cls, hook) is not getattr(BodyFilterBase, hook))
 
     def events(self, pieces: list[Piece]) -> list[Piece]:
         return pieces

@@ -57,6 +57,8 @@ BUSY_LOG_EVERY_S = 10.0
 #: and how long such a connection may take to send its head.
 HEALTHZ_RESERVE = 8
 HEALTHZ_HEAD_TIMEOUT_S = 1.0
+#: The headers ``head_refusal`` and ``_body_frame`` read (every other header is neither's business).
+_FRAMING = frozenset({b"host", b"upgrade", b"transfer-encoding", b"content-length"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_tail = b""  # the last bytes of the head in progress (its end may straddle two reads)
         self._header_count = 0
+        self._framing: list[tuple[bytes, bytes]] = []  # the head's headers that frame it (_FRAMING)
         self._body: BodyFrame = FixedLength(0)
         self._body_bytes = 0
         self._body_start = 0.0  # minus the time we were not reading: the client is not charged for it
@@ -221,6 +224,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._header_count = 0
+        self._framing = []
         super().on_message_begin()
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -228,11 +232,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._header_count > self.limits.max_headers:
             self._refusal = RequestHeaderTooLarge(f"request has more than {self.limits.max_headers} headers")
             raise _Refused
-        super().on_header(name, value)
+        # uvicorn's ``on_header``, inline (it runs per header), keeping aside the few headers that frame the
+        # request: the head's checks and its body's framing then read those, not every header again.
+        name = name.lower()
+        if name in _FRAMING:
+            self._framing.append((name, value))
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         method = self.parser.get_method()
-        refusal = head_refusal(method, self.parser.get_http_version(), self.headers)
+        refusal = head_refusal(method, self.parser.get_http_version(), self._framing)
         if refusal is None and self._reserved and not _is_healthz(method, self.url):
             refusal = self._busy()
         if refusal is not None:  # still _in_head: the refused request is not dispatched
@@ -242,7 +253,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._in_body = True
         self._head_bytes = 0
         self._head_tail = b""
-        self._body = _body_frame(self.headers)
+        self._body = _body_frame(self._framing)
         self._body_bytes = 0
         self._body_start = self.loop.time()
         if self._head_timer is not None:

@@ -16,7 +16,9 @@ into reads (only where the bytes between events fall can: an LF completing a CRL
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import SupportsIndex, overload
 
 #: Longest event held back whole; a longer one passes through unread. Engines' events are a few hundred
 #: bytes (a token, a tool-call fragment, the usage chunk); a megabyte leaves room for a huge one.
@@ -79,13 +81,92 @@ Piece = Event | Overflow | Unended
 class Whole(list[Piece]):
     """Pieces that are exactly one read, cut into whole events (``raw``: that read). A filter that keeps them
     as they are returns the same list; one that changes anything returns a new list (never edits this one),
-    so the relay and the tap can take ``raw`` instead of joining the events again."""
+    so the relay and the tap can take ``raw`` instead of joining the events again.
 
-    __slots__ = ("raw",)
+    The events are cut only when first read (counted, iterated, indexed, compared): a read every filter
+    takes as ``raw`` (the guard, an answer without reasoning fields, the tap once it has seen the reply)
+    costs no ``Event`` at all. Never empty (a read ends with a blank line).
+    """
+
+    __slots__ = ("_cut", "raw")
 
     def __init__(self, raw: bytes) -> None:
         super().__init__()
         self.raw = raw
+        self._cut = False
+
+    def _events(self) -> None:
+        """Cut ``raw``: whole LF-framed events from a line start, each ending at its first LF LF (a blank
+        line alone is an event too), found with one-byte searches. ``raw`` ends in LF LF, so every search
+        finds one before the end."""
+        self._cut = True
+        chunk, n, start, add = self.raw, len(self.raw), 0, super().append
+        while start < n:
+            if chunk[start] == _LF:
+                end = start + 1  # a further blank line: bytes between events
+            else:
+                lf = chunk.find(b"\n", start)
+                while chunk[lf + 1] != _LF:
+                    lf = chunk.find(b"\n", lf + 2)
+                end = lf + 2
+            add(Event(chunk[start:end]))
+            start = end
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        if not self._cut:
+            self._events()
+        return super().__len__()
+
+    def __iter__(self) -> Iterator[Piece]:
+        if not self._cut:
+            self._events()
+        return super().__iter__()
+
+    def __reversed__(self) -> Iterator[Piece]:
+        if not self._cut:
+            self._events()
+        return super().__reversed__()
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Piece: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Piece]: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> Piece | list[Piece]:
+        if not self._cut:
+            self._events()
+        return super().__getitem__(i)
+
+    def __contains__(self, item: object) -> bool:
+        return item in list(self)
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        return list(self) != other
+
+    def __add__(self, other: list[Piece]) -> list[Piece]:  # type: ignore[override]
+        return [*self, *other]
+
+    def __radd__(self, other: list[Piece]) -> list[Piece]:
+        return [*other, *self]
+
+    def __repr__(self) -> str:
+        return f"Whole({list(self)!r})"
+
+    def copy(self) -> list[Piece]:
+        return list(self)
+
+    def index(self, item: Piece, *args: SupportsIndex) -> int:
+        return list(self).index(item, *args)
+
+    def count(self, item: Piece) -> int:
+        return list(self).count(item)
 
 
 class EventSplitter:
@@ -125,7 +206,7 @@ class EventSplitter:
             and chunk.endswith(b"\n\n")
             and chunk.find(b"\r") < 0  # one-byte searches: memchr (not ``in``: see above)
         ):
-            return self._lf_events(chunk, n)  # the common read: whole events, LF-framed
+            return Whole(chunk)  # the common read: whole events, LF-framed (cut when read)
         out: list[Piece] = []
         if not n:
             return out
@@ -158,24 +239,6 @@ class EventSplitter:
         self._cr = chunk[-1] == _CR
         if start < n:
             self._hold(chunk[start:], out)
-        return out
-
-    def _lf_events(self, chunk: bytes, n: int) -> Whole:
-        """A read of whole LF-framed events from a line start: each ends at its first LF LF (a blank line
-        alone is an event too), found with one-byte searches. The read ends in LF LF, so every search
-        finds one before the end."""
-        out = Whole(chunk)
-        start = 0
-        while start < n:
-            if chunk[start] == _LF:
-                end = start + 1  # a further blank line: bytes between events
-            else:
-                lf = chunk.find(b"\n", start)
-                while chunk[lf + 1] != _LF:
-                    lf = chunk.find(b"\n", lf + 2)
-                end = lf + 2
-            out.append(Event(chunk[start:end]))
-            start = end
         return out
 
     def close(self) -> bytes:
