@@ -19,7 +19,33 @@ class Shape(NamedTuple):
 
 
 def chat_shape(messages: list[Any]) -> Shape:
-    return turns_shape(messages, message_chars)
+    return chat_turns(messages)[0]
+
+
+def chat_turns(messages: list[Any]) -> tuple[Shape, Mapping[str, Any] | None]:
+    """``turns_shape(messages, message_chars)`` and the first assistant message after a user message (the
+    first reply: ``routing.keys.first_reply`` reads its text), in one walk; the common message (text, no
+    tool calls) is measured inline. Once per routed chat request: its cost is the gateway's."""
+    head = tail = replies = 0
+    in_head = True
+    reply = None
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        content = msg.get("content")
+        n = len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+        role = msg.get("role")
+        if in_head:
+            head += n
+            in_head = role != "user"
+        if role == "assistant":
+            if reply is None and not in_head:  # a user message came before it (``in_head`` ends with one)
+                reply = msg
+            replies += 1
+            tail = 0
+        else:
+            tail += n
+    return Shape(head, tail, replies + 1), reply
 
 
 def turns_shape(messages: Iterable[Any], chars: Callable[[Mapping[str, Any]], int], system: int = 0) -> Shape:
