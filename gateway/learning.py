@@ -98,7 +98,7 @@ class RoutingFeedback:
         # sessions of one identical head are separate conversations), and no reply tells it apart.
         own_key = ctx.identity is not None
         turns = ctx.shape.turns  # a shape whose head is not only ``messages`` (Anthropic's ``system``)
-        if turns is None:
+        if turns is None or ctx.body is None:
             shape, first = chat_turns(messages)  # the first reply found in the same walk (None: turn 1)
             reply = None if first is None or own_key else reply_text(first)
         else:
