@@ -24,27 +24,37 @@ def chat_shape(messages: list[Any]) -> Shape:
 
 def chat_turns(messages: list[Any]) -> tuple[Shape, Mapping[str, Any] | None]:
     """``turns_shape(messages, message_chars)`` and the first assistant message after a user message (the
-    first reply: ``routing.keys.first_reply`` reads its text), in one walk; the common message (text, no
-    tool calls) is measured inline. Once per routed chat request: its cost is the gateway's."""
+    first reply: ``routing.keys.first_reply`` reads its text), in one walk. Once per routed chat request, so
+    it measures only what the shape needs: the head, then what follows the latest reply (an assistant
+    message's own size is never needed), the common message (text, no tool calls) inline."""
     head = tail = replies = 0
-    in_head = True
-    reply = None
-    for msg in messages:
+    rest = iter(messages)
+    for msg in rest:  # the head: up to and with the first user message (no reply comes before one)
         if not isinstance(msg, dict):
             continue
         content = msg.get("content")
         n = len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+        head += n
         role = msg.get("role")
-        if in_head:
-            head += n
-            in_head = role != "user"
         if role == "assistant":
-            if reply is None and not in_head:  # a user message came before it (``in_head`` ends with one)
-                reply = msg
             replies += 1
             tail = 0
         else:
             tail += n
+            if role == "user":
+                break
+    reply = None
+    for msg in rest:
+        if not isinstance(msg, dict):
+            continue
+        if msg.get("role") == "assistant":
+            if reply is None:
+                reply = msg
+            replies += 1
+            tail = 0
+        else:
+            content = msg.get("content")
+            tail += len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
     return Shape(head, tail, replies + 1), reply
 
 
