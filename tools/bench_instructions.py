@@ -28,7 +28,6 @@ import httpx
 from tools.bench_proxy import TOKEN_WIDTH, _gateway_config, render, upstream_argv
 from tools.procs import child, free_port, python, wait_http
 
-
 # ``warmroute serve`` whose engine-signal scraper (the ttft policy's) scrapes once at start, then not again
 # for an hour: its scrape every 2 s runs on the wall clock, which valgrind slows about fifty-fold, so it would
 # be counted as tens of thousands of instructions per request that natively it costs a fraction of one.
