@@ -36,13 +36,13 @@ from gateway.observe import Observation, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
 from routing.affinity import AffinityTable
 from routing.holders import HeadHolders
-from routing.keys import first_reply, reply_key
+from routing.keys import first_reply, reply_key, reply_text
 from routing.kvindex import KvIndex
 from routing.params import DEFAULT_TURN_TOKENS, RoutingParams
 from routing.policies import Policy
 from routing.retention import RetentionEstimator
 from routing.settle import settle_pin
-from routing.shape import chat_shape
+from routing.shape import chat_turns
 from routing.speed import Ewma, SpeedEstimator
 from routing.types import Decision, RouteRequest
 
@@ -94,28 +94,31 @@ class RoutingFeedback:
             size = len(ctx.raw)
             ctx.route = RouteInfo(ctx.key, ctx.body is None, size, 0, size // 4)
             return
-        turns = ctx.shape.turns  # a shape whose head is not only ``messages`` (Anthropic's ``system``)
-        shape = chat_shape(messages) if turns is None or ctx.body is None else turns(ctx.body)
-        info = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars)
         # A session id names the conversation itself: its pin is its own from the first request on (agent
         # sessions of one identical head are separate conversations), and no reply tells it apart.
-        info.own_key = ctx.identity is not None
-        if shape.turn > 1 and not info.own_key:
-            reply = first_reply(messages)
-            if reply is not None:
-                ctx.route_key = reply_key(ctx.key, reply)
+        own_key = ctx.identity is not None
+        turns = ctx.shape.turns  # a shape whose head is not only ``messages`` (Anthropic's ``system``)
+        if turns is None or ctx.body is None:
+            shape, first = chat_turns(messages)  # the first reply found in the same walk (None: turn 1)
+            reply = None if first is None or own_key else reply_text(first)
+        else:
+            shape = turns(ctx.body)
+            reply = first_reply(messages) if shape.turn > 1 and not own_key else None
+        if reply is not None:
+            ctx.route_key = reply_key(ctx.key, reply)
         # A request that is no turn (a token count) is routed as its conversation's next turn would be (the
         # same key, pin, reply hint and holders), and teaches nothing: no prefill queued, no holder, no speed.
-        info.teaches = ctx.shape.pins
-        ctx.route = info
+        ctx.route = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars,
+                              own_key=own_key, teaches=ctx.shape.pins)  # fmt: skip
 
     def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
         info = ctx.route
         assert info is not None
         cpt = self.chars_per_token.value
-        holders = self.holders.get(info.head_key)
+        head_key, key = info.head_key, ctx.affinity_key
+        holders = self.holders.get(head_key)
         hint = None
-        if info.twin_head:
+        if info.first_turn and not info.own_key:  # ``info.twin_head``
             # The head's pin only says who prefilled the head (a twin, or this conversation's turn 1).
             if pinned is not None:
                 holders = holders | {pinned}
@@ -123,10 +126,11 @@ class RoutingFeedback:
         elif pinned is None:
             # The backend that produced this first reply; else (a client that does not resend replies as
             # they were, an unobserved reply) the one that served this head's latest first turn here.
-            hint = self.replies.get(ctx.affinity_key, self.clock()) or self.holders.latest(info.head_key)
-        info.home = None if info.twin_head else pinned or hint
+            hint = self.replies.get(key, self.clock()) or self.holders.latest(head_key)
+        info.home = home = pinned or hint
+        kv_held = () if self.kv is None else self._kv_held(key, head_key, home)
         return RouteRequest(
-            ctx.affinity_key,
+            key,
             pinned,
             exclude,
             prompt_tokens=int(info.prompt_chars / cpt),
@@ -135,9 +139,7 @@ class RoutingFeedback:
             turn_tokens=int(self.turn_tokens.value),
             holders=holders,
             hint=hint,
-            kv_held=self._kv_held(ctx.affinity_key, info.head_key, pinned or hint)
-            if self.kv is not None
-            else (),
+            kv_held=kv_held,
         )
 
     def _kv_held(self, key: str, head_key: str, home: str | None) -> tuple[tuple[str, int], ...]:
@@ -222,7 +224,8 @@ class RoutingFeedback:
                 uncached = usage.prompt_tokens - usage.cached_tokens
                 if not info.first_turn:
                     self._held(info, obs.backend, usage.prompt_tokens, usage.cached_tokens, now)
-            self._kv_learn(obs, info, usage)
+            if self.kv is not None:
+                self._kv_learn(obs, info, usage)
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)

@@ -128,8 +128,8 @@ class AffinityTable:
         return self._counts
 
     def expire(self, now: float) -> None:
-        gens = self._gens
-        while gens and self._expiry(gens[0]) <= now:
+        gens, ttl_s = self._gens, self.ttl_s
+        while gens and gens[0].last + ttl_s <= now:  # ``_expiry`` inline: asked several times a request
             self._discard(gens.popleft())
 
     # -- internals ------------------------------------------------------------------------------------

@@ -218,6 +218,7 @@ def _digest(fields: list[bytes]) -> str:
 
 #: Characters of the first reply that tell twins apart (sampled replies differ within a few tokens).
 REPLY_CHARS = 64
+_REPLY_FIELD = len(b"reply").to_bytes(8, "little") + b"reply" + _SEP
 
 
 def reply_key(key: str, reply: str) -> str:
@@ -227,7 +228,11 @@ def reply_key(key: str, reply: str) -> str:
     several conversations sharing one head follows the backend that produced its own first reply.
     """
     # A reply is a later turn's text, not validated (the engine judges it): a lone surrogate hashes as is.
-    return _digest([b"reply", key.encode(), reply[:REPLY_CHARS].encode("utf-8", "surrogatepass")])
+    # ``_digest([b"reply", key, reply])`` framed here at once (the first field's frame is a constant): it
+    # runs on every later turn.
+    k, r = key.encode(), reply[:REPLY_CHARS].encode("utf-8", "surrogatepass")
+    framed = (_REPLY_FIELD, len(k).to_bytes(8, "little"), k, _SEP, len(r).to_bytes(8, "little"), r, _SEP)
+    return xxhash.xxh3_128_hexdigest(b"".join(framed))
 
 
 def first_reply(messages: list[Any]) -> str | None:

@@ -19,7 +19,43 @@ class Shape(NamedTuple):
 
 
 def chat_shape(messages: list[Any]) -> Shape:
-    return turns_shape(messages, message_chars)
+    return chat_turns(messages)[0]
+
+
+def chat_turns(messages: list[Any]) -> tuple[Shape, Mapping[str, Any] | None]:
+    """``turns_shape(messages, message_chars)`` and the first assistant message after a user message (the
+    first reply: ``routing.keys.first_reply`` reads its text), in one walk. Once per routed chat request, so
+    it measures only what the shape needs: the head, then what follows the latest reply (an assistant
+    message's own size is never needed), the common message (text, no tool calls) inline."""
+    head = tail = replies = 0
+    rest = iter(messages)
+    for msg in rest:  # the head: up to and with the first user message (no reply comes before one)
+        if not isinstance(msg, dict):
+            continue
+        content = msg.get("content")
+        n = len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+        head += n
+        role = msg.get("role")
+        if role == "assistant":
+            replies += 1
+            tail = 0
+        else:
+            tail += n
+            if role == "user":
+                break
+    reply = None
+    for msg in rest:
+        if not isinstance(msg, dict):
+            continue
+        if msg.get("role") == "assistant":
+            if reply is None:
+                reply = msg
+            replies += 1
+            tail = 0
+        else:
+            content = msg.get("content")
+            tail += len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+    return Shape(head, tail, replies + 1), reply
 
 
 def turns_shape(messages: Iterable[Any], chars: Callable[[Mapping[str, Any]], int], system: int = 0) -> Shape:

@@ -74,12 +74,12 @@ class SpeedEstimator:
 
     def prefill(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
-            self._prefill.setdefault(backend, DecayedSums()).add(tokens, seconds, now, self.half_life_s)
+            _sums(self._prefill, backend).add(tokens, seconds, now, self.half_life_s)
             self._maybe_recompute(now)
 
     def decode(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
-            self._decode.setdefault(backend, DecayedSums()).add(tokens, seconds, now, self.half_life_s)
+            _sums(self._decode, backend).add(tokens, seconds, now, self.half_life_s)
             self._maybe_recompute(now)
 
     def refresh(self, now: float) -> bool:
@@ -111,6 +111,14 @@ class SpeedEstimator:
         tokens = sum(s.tokens for b, s in sums.items() if b in self.weights)
         weighted_seconds = sum(s.seconds * self.weights[b] for b, s in sums.items() if b in self.weights)
         return tokens / weighted_seconds if weighted_seconds > 0 else default
+
+
+def _sums(table: dict[str, DecayedSums], backend: str) -> DecayedSums:
+    """``backend``'s sums, created on its first sample (``setdefault`` would build one per sample)."""
+    s = table.get(backend)
+    if s is None:
+        s = table[backend] = DecayedSums()
+    return s
 
 
 class Ewma:

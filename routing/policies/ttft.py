@@ -75,14 +75,14 @@ class TtftPolicy:
     # -- internals ------------------------------------------------------------------------------------
 
     def _from_home(self, home: Candidate, ready: list[Candidate], request: RouteRequest) -> Decision:
-        if home.conversations:
-            # This conversation is one of its home's active ones: elsewhere it would not be. Compared
-            # without it, a conversation does not leave just because it is there.
-            home = home._replace(conversations=home.conversations - 1)
         others = [c for c in ready if c.id != home.id]
         keep = PinAction.TOUCH if request.pinned is not None else PinAction.CLAIM
         if not others:
             return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
+        if home.conversations:
+            # This conversation is one of its home's active ones: elsewhere it would not be. Compared
+            # without it, a conversation does not leave just because it is there.
+            home = home._replace(conversations=home.conversations - 1)
         best = self._cheapest(others, request)
         # Leaving is decided on this turn's own time (queue ahead + prefill), not on the load term: a
         # conversation is not re-prefilled elsewhere to even out load, only when waiting at home costs more.
@@ -105,8 +105,10 @@ class TtftPolicy:
         return self._decide(best, Reason.MOVE_CHEAPER, _placed(request), ready, request)
 
     def _cheapest(self, ready: list[Candidate], request: RouteRequest) -> Candidate:
-        seed = key_seed(request.key)
         best = ready[0]
+        if len(ready) == 1:  # nothing to compare (one engine per model is common): no cost, no hash
+            return best
+        seed = key_seed(request.key)
         best_rank = (total_s(best, request, self.load_share), rendezvous(seed, best.id))
         for c in ready[1:]:
             rank = (total_s(c, request, self.load_share), rendezvous(seed, c.id))

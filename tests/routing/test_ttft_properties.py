@@ -1,12 +1,17 @@
-"""Properties of the ttft policy over generated snapshots (hypothesis)."""
+"""Properties of the ttft policy over generated snapshots (hypothesis), and of its hot path's shortcuts."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from routing.cost import cost, total_s
+from routing.keys import first_reply, reply_text
 from routing.params import RoutingParams
 from routing.policies.ttft import TtftPolicy
+from routing.shape import chat_turns, message_chars, turns_shape
 from routing.types import BackendState, Candidate, RouteRequest
 
 IDS = ["a", "b", "c", "d", "e"]
@@ -78,3 +83,38 @@ def test_explained_costs_rank_the_chosen_new_conversation_first(
     if d.backend is not None:
         assert d.costs[0].backend == d.backend
         assert [c.total_s for c in d.costs] == sorted(c.total_s for c in d.costs)
+
+
+@settings(max_examples=400, deadline=None)
+@given(candidates, requests, st.integers(0, 400_000))
+def test_the_hot_path_total_is_the_explained_cost_s_total(
+    cands: list[Candidate], r: RouteRequest, capacity: int
+) -> None:
+    for c in cands:
+        c = c._replace(kv_capacity=capacity)
+        assert total_s(c, r, 2.0) == cost(c, r, 2.0).total_s  # the same float: the same rank
+
+
+messages = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", 3])},
+            optional={
+                "content": st.one_of(
+                    st.none(), st.text(max_size=12), st.lists(st.fixed_dictionaries({"text": st.text()}))
+                ),
+                "tool_calls": st.just([{"function": {"arguments": '{"a": 1}'}}]),
+            },
+        ),
+        st.just("not a message"),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(messages)
+def test_one_walk_finds_the_shape_and_the_first_reply(msgs: list[Any]) -> None:
+    shape, reply = chat_turns(msgs)
+    assert shape == turns_shape(msgs, message_chars)
+    assert (None if reply is None else reply_text(reply)) == first_reply(msgs)
