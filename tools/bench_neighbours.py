@@ -39,7 +39,7 @@ from tools.procs import LOCALHOST, free_port
 
 MODEL = "sim-model"
 MAX_RUNNING = 8
-FLOOD = 16  # A's streams in flight
+FLOOD = 32  # A's streams in flight (the workload: 32+)
 FLOOD_TOKENS = 64  # each of A's answers (ignore_eos: exactly this many)
 TURN_TOKENS = 8
 TURNS = 15  # B's questions per variant
