@@ -16,6 +16,14 @@ admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one
   its estimate when admitted and corrected to its actual usage when it finishes. A client that becomes active
   (nothing waiting or running in that class) starts at the class's clock, the usage of the last admitted
   request's client at admission, so time spent idle banks no credit and past heavy use is not held against it.
+- Pausing (a class with ``preemptible``): when a waiter cannot be seated on a full backend and that backend
+  runs a preemptible ticket of a lower class, the newest such ticket (the least re-read on resumption) is
+  asked to pause (``Outcome.pause``), one per waiter that a pause already asked for does not cover. The
+  engine's own scheduler never takes a running request's slot for a waiting one, so without this the waiter
+  waits for a slot turnover. The edge stops that stream at the engine and says so (``paused``): its slot goes
+  to the best waiter now, and the paused ticket waits again, first among its client's, to be resumed; its
+  usage is charged once over both parts. A ticket that finishes before it pauses simply finishes; one the
+  edge cannot pause after all (``keep``) is never asked again and another one is asked instead.
 - Bounds: at most ``max_queued`` waiters per class, over all backends (beyond: refused at once); a waiter is
   refused once it has waited its class's ``timeout_s`` (``expire``).
 - Unknown tickets change nothing; nothing here raises on a client's behaviour.
@@ -24,7 +32,7 @@ admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 
@@ -45,6 +53,7 @@ class ClassSpec:
     timeout_s: float
     retry_after_s: float
     headroom: int = 0
+    preemptible: bool = False  # its running requests may be paused for a waiting request of a higher class
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +66,7 @@ class Ticket:
     klass: str
     cost: int
     arrived: float
+    resumable: bool = False  # the edge can pause and resume it (a stream it can continue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +80,7 @@ class Refusal:
 class Outcome:
     admitted: tuple[Ticket, ...] = ()
     refused: tuple[Refusal, ...] = ()
+    pause: tuple[Ticket, ...] = ()  # running tickets the edge should pause now (``paused`` once they are)
 
 
 NOTHING = Outcome()
@@ -96,6 +107,9 @@ class AdmissionScheduler:
         self.capacities: dict[str, int] = dict(capacities or {})
         self._running: dict[str, int] = {}  # backend -> admitted, not finished
         self._tickets: dict[int, Ticket] = {}  # waiting ones
+        # Running tickets that may be paused, per backend, oldest admitted first; those asked to pause.
+        self._pausable: dict[str, dict[int, Ticket]] = {}
+        self._pausing: dict[int, Ticket] = {}
 
     # -- what the edge reads ------------------------------------------------------------------------
 
@@ -113,6 +127,12 @@ class AdmissionScheduler:
 
     def classes(self) -> list[str]:
         return list(self._classes)
+
+    def pausing(self, backend: str) -> int:
+        return sum(1 for t in self._pausing.values() if t.backend == backend)
+
+    def waiting_ticket(self, ticket_id: int) -> Ticket | None:
+        return self._tickets.get(ticket_id)
 
     def next_deadline(self) -> float | None:
         times = [t.arrived + self._classes[t.klass].spec.timeout_s for t in self._tickets.values()]
@@ -148,10 +168,34 @@ class AdmissionScheduler:
         if running <= 0 or ticket.id in self._tickets:
             return NOTHING
         self._running[ticket.backend] = running - 1
+        self._unpausable(ticket)
         c = self._classes[ticket.klass]
         if used is not None:
             c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) + used - ticket.cost
         self._inactive(c, ticket.client)
+        return self._fill(ticket.backend)
+
+    def paused(self, ticket: Ticket, now: float) -> Outcome:
+        """A ticket asked to pause stopped at its engine: its slot is free, it waits again (first among its
+        client's, its class's timeout counted from ``now``), its estimate uncharged until it is resumed."""
+        running = self._running.get(ticket.backend, 0)
+        if ticket.id not in self._pausing or running <= 0:
+            return NOTHING
+        self._unpausable(ticket)
+        self._running[ticket.backend] = running - 1
+        c = self._classes[ticket.klass]
+        c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) - ticket.cost
+        again = replace(ticket, arrived=now)
+        c.waiting.setdefault(ticket.client, []).insert(0, again)
+        c.depth += 1
+        self._tickets[again.id] = again
+        return self._fill(ticket.backend)
+
+    def keep(self, ticket: Ticket) -> Outcome:
+        """The edge cannot pause ``ticket`` after all: never ask it again (another may be asked instead)."""
+        if self._pausable.get(ticket.backend, {}).pop(ticket.id, None) is None:
+            return NOTHING
+        self._pausing.pop(ticket.id, None)
         return self._fill(ticket.backend)
 
     def expire(self, now: float) -> Outcome:
@@ -181,8 +225,36 @@ class AdmissionScheduler:
             c.clock = max(c.clock, c.usage.get(ticket.client, 0.0))
             c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) + ticket.cost
             self._running[backend] = self.running(backend) + 1
+            if ticket.resumable and c.spec.preemptible:
+                self._pausable.setdefault(backend, {})[ticket.id] = ticket
             admitted.append(ticket)
-        return Outcome(admitted=tuple(admitted)) if admitted else NOTHING
+        pause = self._to_pause(backend) if self._pausable.get(backend) else ()
+        if not admitted and not pause:
+            return NOTHING
+        return Outcome(admitted=tuple(admitted), pause=pause)
+
+    def _to_pause(self, backend: str) -> tuple[Ticket, ...]:
+        """Whom to ask to pause on the full ``backend``: per waiter of a class above a pausable ticket's, the
+        newest pausable ticket of the lowest class, less the pauses already asked (each frees a slot)."""
+        candidates = sorted(  # the lowest class first, the newest admitted first within it
+            (t for t in reversed(self._pausable[backend].values()) if t.id not in self._pausing),
+            key=lambda t: -self._classes[t.klass].spec.rank,
+        )
+        covered = self.pausing(backend)
+        asked: list[Ticket] = []
+        for c in self._classes.values():  # by rank
+            if not candidates or self._classes[candidates[0].klass].spec.rank <= c.spec.rank:
+                break  # nothing below this class to pause (nor below any later one)
+            for _ in range(sum(1 for q in c.waiting.values() for t in q if t.backend == backend)):
+                if covered:
+                    covered -= 1  # a pause already asked frees this waiter's slot
+                    continue
+                if not candidates or self._classes[candidates[0].klass].spec.rank <= c.spec.rank:
+                    return tuple(asked)
+                victim = candidates.pop(0)
+                self._pausing[victim.id] = victim
+                asked.append(victim)
+        return tuple(asked)
 
     def _next(self, backend: str) -> Ticket | None:
         room = self.capacity(backend) - self.running(backend)
@@ -210,6 +282,12 @@ class AdmissionScheduler:
         if not queue:
             del c.waiting[ticket.client]
         c.depth -= 1
+
+    def _unpausable(self, ticket: Ticket) -> None:
+        pausable = self._pausable.get(ticket.backend)
+        if pausable is not None:
+            pausable.pop(ticket.id, None)
+        self._pausing.pop(ticket.id, None)
 
     def _inactive(self, c: _Class, client: str) -> None:
         n = c.active.get(client, 0) - 1

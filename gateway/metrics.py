@@ -735,7 +735,11 @@ class AdmissionMetrics(Collector):
         self.running: dict[str, int] = {}  # backend -> admitted, not finished
         self.waits: dict[tuple[str, str], _Histogram] = {}  # (class, outcome)
         self.clients: dict[tuple[str, str], int] = {}  # (client, outcome)
+        self.pauses: dict[tuple[str], int] = dict.fromkeys(((c,) for c in classes), 0)
         r.register(self)
+
+    def paused(self, klass: str) -> None:
+        _bump(self.pauses, (klass,))
 
     def depth(self, klass: str, waiting: int) -> None:
         self.depths[klass] = waiting
@@ -775,6 +779,12 @@ class AdmissionMetrics(Collector):
             "Requests admitted or refused by admission, per client key name",
             ("client", "outcome"),
             self.clients,
+        )
+        yield from _counter(
+            "warmroute_admission_paused",
+            "Streams paused for a higher class's waiting request (resumed as a continuation), by class",
+            ("class",),
+            self.pauses,
         )
 
 

@@ -9,6 +9,9 @@ a time. Each variant starts its own gateway:
 - ``alone`` / ``alone+admission``: B without A, admission off / on (B's baseline);
 - ``flood`` / ``flood+admission``: A and B; with admission A's key is ``batch`` and B's ``interactive``;
 - ``flood+admission@headroom``: the same, the batch class leaving the engine's last slot free;
+- ``flood+admission@pause``: the same, A's streams preemptible: an interactive turn that finds every slot
+  taken pauses A's newest stream (aborted at the engine, resumed later as a continuation of the same turn,
+  one uninterrupted stream for A) and takes its slot;
 - ``flood+admission@one-class``: A and B in the same class (fair share alone decides).
 - ``flood+engine-priority``: the gateway holds nothing back (a bound above A's streams) and tells the
   engine each class's rank as ``priority``: B waits at the head of the engine's own queue instead of the
@@ -50,6 +53,7 @@ VARIANTS = (
     "flood",
     "flood+admission",
     "flood+admission@headroom",
+    "flood+admission@pause",
     "flood+admission@one-class",
     "flood+engine-priority",
 )
@@ -98,6 +102,9 @@ def start_gateway(launch: Launcher, engine: Engine, variant: str, name: str) -> 
         admission["clients"] = {"flood": "batch", "person": "interactive"}
     if variant.endswith("@headroom"):  # the engine's last slot is kept for interactive turns
         batch = {"max_queued": 1024, "timeout_s": 600, "headroom": 1}
+        admission["classes"] = {"interactive": {}, "standard": {}, "batch": batch}
+    if variant.endswith("@pause"):  # A's streams give their slot to an interactive turn, and resume
+        batch = {"max_queued": 1024, "timeout_s": 600, "preemptible": True}
         admission["classes"] = {"interactive": {}, "standard": {}, "batch": batch}
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},

@@ -12,7 +12,7 @@ from starlette.types import Receive
 
 from backends.sim.engine import RequestUsage, SimEngine
 from backends.sim.protocol import SimError, SimRequest
-from backends.sim.text import OutputPlan, plan_output
+from backends.sim.text import OutputPlan, continue_plan, plan_output
 
 T = TypeVar("T")
 
@@ -60,6 +60,18 @@ async def start(engine: SimEngine, req: SimRequest) -> OutputPlan:
     if faults.current.stall_s:
         await asyncio.sleep(faults.current.stall_s)
     cfg = engine.cfg
+    if req.continues is not None and not faults.current.repeat_token:
+        before, prefix = req.continues
+        plan = continue_plan(
+            before,
+            prefix,
+            req.spec,
+            seed=cfg.seed,
+            answer_tokens=cfg.answer_tokens,
+            reasoning_tokens=cfg.reasoning_tokens,
+        )
+        if plan is not None:
+            return plan
     return plan_output(
         req.prompt_text,
         req.spec,
