@@ -16,14 +16,15 @@ admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one
   its estimate when admitted and corrected to its actual usage when it finishes. A client that becomes active
   (nothing waiting or running in that class) starts at the class's clock, the usage of the last admitted
   request's client at admission, so time spent idle banks no credit and past heavy use is not held against it.
-- Pausing (a class with ``preemptible``): when a waiter cannot be seated on a full backend and that backend
-  runs a preemptible ticket of a lower class, the newest such ticket (the least re-read on resumption) is
-  asked to pause (``Outcome.pause``), one per waiter that a pause already asked for does not cover. The
-  engine's own scheduler never takes a running request's slot for a waiting one, so without this the waiter
-  waits for a slot turnover. The edge stops that stream at the engine and says so (``paused``): its slot goes
-  to the best waiter now, and the paused ticket waits again, first among its client's, to be resumed; its
-  usage is charged once over both parts. A ticket that finishes before it pauses simply finishes; one the
-  edge cannot pause after all (``keep``) is never asked again and another one is asked instead.
+- Pausing (a class with ``preemptible``): a waiter that finds its backend full while that backend runs a
+  resumable ticket of a preemptible lower class is seated at once on that ticket's slot, and the ticket is
+  asked to pause (``Outcome.pause``): of the lowest class, the newest admitted (the least to re-read). Until
+  it has, the backend runs one more than its capacity; the engine's own queue holds the waiter for the
+  moment it takes to stop (an engine never frees a running request's slot for a waiting one, so without
+  this the waiter waits a slot turnover). The edge stops that stream at the engine and says so
+  (``paused``): the ticket waits again, first among its client's, to be resumed; its usage is charged once
+  over both parts. One that finishes before it pauses simply finishes; one the edge cannot pause after all
+  (``keep``) is never asked again, and the next victim is asked for the slot instead.
 - Bounds: at most ``max_queued`` waiters per class, over all backends (beyond: refused at once); a waiter is
   refused once it has waited its class's ``timeout_s`` (``expire``).
 - Unknown tickets change nothing; nothing here raises on a client's behaviour.
@@ -110,6 +111,7 @@ class AdmissionScheduler:
         # Running tickets that may be paused, per backend, oldest admitted first; those asked to pause.
         self._pausable: dict[str, dict[int, Ticket]] = {}
         self._pausing: dict[int, Ticket] = {}
+        self._borrowers: dict[int, int] = {}  # a ticket asked to pause -> the rank of the one on its slot
 
     # -- what the edge reads ------------------------------------------------------------------------
 
@@ -192,11 +194,19 @@ class AdmissionScheduler:
         return self._fill(ticket.backend)
 
     def keep(self, ticket: Ticket) -> Outcome:
-        """The edge cannot pause ``ticket`` after all: never ask it again (another may be asked instead)."""
+        """The edge cannot pause ``ticket`` after all: never ask it again; the slot it was asked for is asked
+        of the next victim, if any (else the backend runs one over until a request finishes)."""
         if self._pausable.get(ticket.backend, {}).pop(ticket.id, None) is None:
             return NOTHING
-        self._pausing.pop(ticket.id, None)
-        return self._fill(ticket.backend)
+        if self._pausing.pop(ticket.id, None) is None:
+            return NOTHING
+        rank = self._borrowers.pop(ticket.id)
+        victim = self._victim(ticket.backend)
+        if victim is None or self._classes[victim.klass].spec.rank <= rank:
+            return NOTHING
+        self._pausing[victim.id] = victim
+        self._borrowers[victim.id] = rank
+        return Outcome(pause=(victim,))
 
     def expire(self, now: float) -> Outcome:
         """Refuse every waiter that has waited its class's timeout."""
@@ -216,8 +226,11 @@ class AdmissionScheduler:
 
     def _fill(self, backend: str) -> Outcome:
         admitted: list[Ticket] = []
-        while self.running(backend) < self.capacity(backend):
-            ticket = self._next(backend)
+        paused: list[Ticket] = []
+        while True:
+            ticket = self._next(backend) if self.running(backend) < self.capacity(backend) else None
+            if ticket is None and self._pausable.get(backend):
+                ticket = self._borrow(backend, paused)
             if ticket is None:
                 break
             self._unqueue(ticket)
@@ -228,51 +241,60 @@ class AdmissionScheduler:
             if ticket.resumable and c.spec.preemptible:
                 self._pausable.setdefault(backend, {})[ticket.id] = ticket
             admitted.append(ticket)
-        pause = self._to_pause(backend) if self._pausable.get(backend) else ()
-        if not admitted and not pause:
+        if not admitted:
             return NOTHING
-        return Outcome(admitted=tuple(admitted), pause=pause)
+        return Outcome(admitted=tuple(admitted), pause=tuple(paused))
 
-    def _to_pause(self, backend: str) -> tuple[Ticket, ...]:
-        """Whom to ask to pause on the full ``backend``: per waiter of a class above a pausable ticket's, the
-        newest pausable ticket of the lowest class, less the pauses already asked (each frees a slot)."""
-        candidates = sorted(  # the lowest class first, the newest admitted first within it
-            (t for t in reversed(self._pausable[backend].values()) if t.id not in self._pausing),
-            key=lambda t: -self._classes[t.klass].spec.rank,
-        )
-        covered = self.pausing(backend)
-        asked: list[Ticket] = []
+    def _victim(self, backend: str) -> Ticket | None:
+        """The pausable ticket to ask first: of the lowest class, the newest admitted (the least to re-read)."""
+        victim: Ticket | None = None
+        for t in self._pausable.get(backend, {}).values():  # oldest admitted first
+            if t.id not in self._pausing and (
+                victim is None or self._classes[t.klass].spec.rank >= self._classes[victim.klass].spec.rank
+            ):
+                victim = t
+        return victim
+
+    def _borrow(self, backend: str, paused: list[Ticket]) -> Ticket | None:
+        """On a full ``backend``: the best waiter of a class above the victim's, seated now on the victim's
+        slot (the victim is asked to pause; until it has, the backend runs one more than its capacity)."""
+        victim = self._victim(backend)
+        if victim is None:
+            return None
+        rank = self._classes[victim.klass].spec.rank
         for c in self._classes.values():  # by rank
-            if not candidates or self._classes[candidates[0].klass].spec.rank <= c.spec.rank:
-                break  # nothing below this class to pause (nor below any later one)
-            for _ in range(sum(1 for q in c.waiting.values() for t in q if t.backend == backend)):
-                if covered:
-                    covered -= 1  # a pause already asked frees this waiter's slot
-                    continue
-                if not candidates or self._classes[candidates[0].klass].spec.rank <= c.spec.rank:
-                    return tuple(asked)
-                victim = candidates.pop(0)
+            if c.spec.rank >= rank:
+                return None
+            ticket = self._best(c, backend)
+            if ticket is not None:
                 self._pausing[victim.id] = victim
-                asked.append(victim)
-        return tuple(asked)
+                self._borrowers[victim.id] = c.spec.rank
+                paused.append(victim)
+                return ticket
+        return None
 
     def _next(self, backend: str) -> Ticket | None:
         room = self.capacity(backend) - self.running(backend)
         for c in self._classes.values():  # by rank
             if room <= c.spec.headroom:
                 continue
-            best: Ticket | None = None
-            best_usage = 0.0
-            for client, queue in c.waiting.items():
-                ticket = next((t for t in queue if t.backend == backend), None)
-                if ticket is None:
-                    continue
-                usage = c.usage.get(client, 0.0)
-                if best is None or (usage, ticket.arrived, ticket.id) < (best_usage, best.arrived, best.id):
-                    best, best_usage = ticket, usage
+            best = self._best(c, backend)
             if best is not None:
                 return best
         return None
+
+    def _best(self, c: _Class, backend: str) -> Ticket | None:
+        """``c``'s waiter for ``backend`` that goes first: the least-used client's oldest."""
+        best: Ticket | None = None
+        best_usage = 0.0
+        for client, queue in c.waiting.items():
+            ticket = next((t for t in queue if t.backend == backend), None)
+            if ticket is None:
+                continue
+            usage = c.usage.get(client, 0.0)
+            if best is None or (usage, ticket.arrived, ticket.id) < (best_usage, best.arrived, best.id):
+                best, best_usage = ticket, usage
+        return best
 
     def _unqueue(self, ticket: Ticket) -> None:
         del self._tickets[ticket.id]
@@ -288,6 +310,7 @@ class AdmissionScheduler:
         if pausable is not None:
             pausable.pop(ticket.id, None)
         self._pausing.pop(ticket.id, None)
+        self._borrowers.pop(ticket.id, None)
 
     def _inactive(self, c: _Class, client: str) -> None:
         n = c.active.get(client, 0) - 1
