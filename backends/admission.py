@@ -208,6 +208,23 @@ class AdmissionScheduler:
         self._borrowers[victim.id] = rank
         return Outcome(pause=(victim,))
 
+    def swap(self, asked: Ticket, other: Ticket) -> bool:
+        """Ask ``other`` to pause instead of ``asked`` (the edge knows which stream stops soonest): both of one
+        class on one backend, ``asked`` asked and ``other`` pausable, not asked; False (nothing changed)
+        otherwise."""
+        pausable = self._pausable.get(asked.backend, {})
+        if (
+            asked.id not in self._pausing
+            or other.id not in pausable
+            or other.id in self._pausing
+            or (other.backend, other.klass) != (asked.backend, asked.klass)
+        ):
+            return False
+        del self._pausing[asked.id]
+        self._pausing[other.id] = other
+        self._borrowers[other.id] = self._borrowers.pop(asked.id)
+        return True
+
     def expire(self, now: float) -> Outcome:
         """Refuse every waiter that has waited its class's timeout."""
         refused = []

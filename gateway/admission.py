@@ -73,13 +73,14 @@ class Seat:
 
     A resumable one may be ``asked`` to pause; ``pause`` gives the slot back and waits for it again."""
 
-    __slots__ = ("_ctx", "_owner", "_ticket", "asked", "seated")
+    __slots__ = ("_ctx", "_owner", "_ticket", "asked", "heard", "seated")
 
     def __init__(self, owner: AdmissionControl, ticket: Ticket, ctx: RequestContext | None) -> None:
         self._owner: AdmissionControl | None = owner
         self._ticket, self._ctx = ticket, ctx
         self.asked = False
         self.seated = True  # False while paused, waiting for its seat again
+        self.heard = 0.0  # loop time of its engine's latest read (0: none yet)
 
     @property
     def ticket(self) -> Ticket:
@@ -236,7 +237,7 @@ class AdmissionControl:
         if status != 200 or not sse or not resumable_attempt(attempt):
             seat.keep()
             return None
-        return Pausable(attempt, lambda: seat.asked, seat.pause, seat.keep)
+        return Pausable(attempt, seat, seat.pause, seat.keep)
 
     def status(self) -> dict[str, Any]:
         """What the admin API shows: each class's queue, each backend's admitted requests, per-key counts."""
@@ -303,7 +304,7 @@ class AdmissionControl:
 
     def _apply(self, outcome: Outcome) -> None:
         for ticket in outcome.pause:
-            seat = self._pausable.get(ticket.id)
+            seat = self._sooner(self._pausable.get(ticket.id), ticket)
             if seat is None:  # not relayed yet, or already ending: let the scheduler ask another
                 self._apply(self.scheduler.keep(ticket))
             else:
@@ -319,6 +320,21 @@ class AdmissionControl:
         for name in self.specs:
             self.metrics.depth(name, self.scheduler.depth(name))
         self._announce()
+
+    def _sooner(self, seat: Seat | None, ticket: Ticket) -> Seat | None:
+        """The seat to pause for ``ticket``'s: of its class and backend, the one whose engine was heard from
+        longest ago (its next read, where a pause takes effect, comes first; engines that decode in lockstep
+        tie, and the scheduler's choice stands)."""
+        best = seat
+        for other in self._pausable.values():
+            t = other.ticket
+            if other.asked or not other.heard or (t.backend, t.klass) != (ticket.backend, ticket.klass):
+                continue
+            if best is None or not best.heard or other.heard < best.heard:
+                best = other
+        if best is not seat and best is not None and not self.scheduler.swap(ticket, best.ticket):
+            return seat
+        return best
 
     def _announce(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

@@ -25,8 +25,9 @@ The first part's bytes go on as the engine sent them; continuations are re-seria
 from __future__ import annotations
 
 import json
+import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from backends.dialects import DIALECTS
 from gateway.context import Attempt, canonical_json
@@ -56,18 +57,26 @@ def resumable_attempt(attempt: Attempt) -> bool:
     )
 
 
+class Asked(Protocol):
+    """What admission keeps of one seat: whether it is asked to pause, and when its engine was last heard."""
+
+    asked: bool
+    heard: float
+
+
 class Pausable(BodyFilterBase):
-    """One seated stream that admission may ask to pause (``asked()``); ``wait_seat`` resumes its seat, and
-    ``keep`` tells admission this one cannot pause now after all."""
+    """One seated stream that admission may ask to pause (``seat.asked``); ``wait_seat`` resumes its seat,
+    and ``keep`` tells admission this one cannot pause now after all."""
 
     def __init__(
         self,
         attempt: Attempt,
-        asked: Callable[[], bool],
+        seat: Asked,
         wait_seat: Callable[[], Awaitable[None]],
         keep: Callable[[], None],
     ) -> None:
-        self.attempt, self.asked, self.wait_seat, self.keep = attempt, asked, wait_seat, keep
+        self.attempt, self.seat, self.wait_seat, self.keep = attempt, seat, wait_seat, keep
+        self.clock = asyncio.get_running_loop().time
         self.raw: list[bytes] = []  # the first part's event data, parsed only if it is cut
         self.envelope: dict[str, Any] = {}
         self.text: list[str] = []
@@ -87,7 +96,9 @@ class Pausable(BodyFilterBase):
                     self.raw.append(data)
         else:
             pieces = self._continued(pieces)
-        if self.asked():
+        seat = self.seat
+        seat.heard = self.clock()
+        if seat.asked:
             self._cut()
         return pieces
 

@@ -1,7 +1,7 @@
 """Pausing a batch stream for an interactive turn, with engine simulators as real processes.
 
 One simulator runs two requests at a time (``--max-running 2``, the gateway's ``max_in_flight`` 2); the batch
-class is preemptible. Two batch streams fill it; an interactive turn then pauses the newest one (its engine
+class is preemptible. Two batch streams fill it; an interactive turn then pauses one of them (its engine
 request is aborted), takes its slot, and the paused stream resumes as a continuation. The batch client must
 see one complete stream: the same words, byte for byte, that an uninterrupted run of the same request gives
 (the simulator continues an assistant prefix as greedy decoding does), one role chunk, one id, the usage of
@@ -106,14 +106,16 @@ async def test_an_interactive_turn_pauses_a_batch_stream_which_resumes_whole(sim
         paused = gw.metrics.registry.get_sample_value("warmroute_admission_paused_total", {"class": "batch"})
         assert paused == 1.0
 
-        whole = Stream()  # the paused request, uninterrupted, on an engine of the same seed
-        await whole.read(c, reference, chat("summarise document 2", 200), None)
-        assert new.text() == whole.text() and len(new.text().split()) == 200
-        assert new.usage() == {**whole.usage(), "prompt_tokens_details": new.usage()["prompt_tokens_details"]}
-        assert (new.roles(), new.done, {ch["id"] for ch in new.chunks}) == (1, 1, {new.chunks[0]["id"]})
-        finishes = [ch["finish_reason"] for c_ in new.chunks for ch in c_["choices"] if ch["finish_reason"]]
-        assert finishes == ["length"]
-        assert len(old.text().split()) == 200 and old.roles() == 1  # the older one was not paused
+        for stream, text in ((old, "summarise document 1"), (new, "summarise document 2")):
+            whole = Stream()  # the same request, uninterrupted, on an engine of the same seed
+            await whole.read(c, reference, chat(text, 200), None)
+            assert stream.text() == whole.text() and len(stream.text().split()) == 200
+            usage = stream.usage()
+            assert usage == {**whole.usage(), "prompt_tokens_details": usage["prompt_tokens_details"]}
+            ids = {ch["id"] for ch in stream.chunks}
+            assert (stream.roles(), stream.done, ids) == (1, 1, {stream.chunks[0]["id"]})
+            finishes = [ch["finish_reason"] for c_ in stream.chunks for ch in c_["choices"] if ch["finish_reason"]]
+            assert finishes == ["length"]
 
         await admission.until(lambda: running(gw) == 0)
         assert gw.registry.total_in_flight() == 0
