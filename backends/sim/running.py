@@ -8,7 +8,8 @@ from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
-from starlette.types import Receive
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from backends.sim.engine import RequestUsage, SimEngine
 from backends.sim.protocol import SimError, SimRequest
@@ -39,6 +40,16 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[bool, 
     if task.cancelled():
         return False, None
     return True, task.result()
+
+
+class AbortingStream(StreamingResponse):
+    """A streamed answer whose generation stops the moment its client disconnects, as vLLM's API server
+    aborts one (``with_cancellation`` listens for the disconnect), not when the next token fails to send:
+    Starlette listens only for servers older than ASGI 2.4, so this one says it is one."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        asgi = {**scope.get("asgi", {}), "spec_version": "2.3"}
+        await super().__call__({**scope, "asgi": asgi}, receive, send)
 
 
 async def break_after(chunks: AsyncGenerator[bytes, None], limit: int | None) -> AsyncGenerator[bytes, None]:
