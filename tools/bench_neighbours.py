@@ -12,10 +12,6 @@ a time. Each variant starts its own gateway:
 - ``flood+admission@pause``: the same, A's streams preemptible: an interactive turn that finds every slot
   taken pauses A's newest stream (aborted at the engine, resumed later as a continuation of the same turn,
   one uninterrupted stream for A) and takes its slot;
-- ``flood+admission@pause+engine-queue``: the same with one request more than the engine runs
-  (``max_in_flight`` 9) and each class's rank as the engine's ``priority``: the engine always has the next
-  batch request queued when a slot frees (no gap for the gateway's dispatch), and a turn that borrows a
-  paused slot is ahead of it in the engine's queue;
 - ``flood+admission@one-class``: A and B in the same class (fair share alone decides).
 - ``flood+engine-priority``: the gateway holds nothing back (a bound above A's streams) and tells the
   engine each class's rank as ``priority``: B waits at the head of the engine's own queue instead of the
@@ -58,7 +54,6 @@ VARIANTS = (
     "flood+admission",
     "flood+admission@headroom",
     "flood+admission@pause",
-    "flood+admission@pause+engine-queue",
     "flood+admission@one-class",
     "flood+engine-priority",
 )
@@ -108,11 +103,9 @@ def start_gateway(launch: Launcher, engine: Engine, variant: str, name: str) -> 
     if variant.endswith("@headroom"):  # the engine's last slot is kept for interactive turns
         batch = {"max_queued": 1024, "timeout_s": 600, "headroom": 1}
         admission["classes"] = {"interactive": {}, "standard": {}, "batch": batch}
-    if "@pause" in variant:  # A's streams give their slot to an interactive turn, and resume
+    if variant.endswith("@pause"):  # A's streams give their slot to an interactive turn, and resume
         batch = {"max_queued": 1024, "timeout_s": 600, "preemptible": True}
         admission["classes"] = {"interactive": {}, "standard": {}, "batch": batch}
-    if variant.endswith("+engine-queue"):  # one more than the engine runs, ranked: its queue is never empty
-        admission |= {"max_in_flight": MAX_RUNNING + 1, "engine_priority": [engine.id]}
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
         "backends": [{"id": engine.id, "url": engine.url, "models": [MODEL]}],
