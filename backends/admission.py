@@ -209,8 +209,8 @@ class AdmissionScheduler:
         return Outcome(pause=(victim,))
 
     def swap(self, asked: Ticket, other: Ticket) -> bool:
-        """Ask ``other`` to pause instead of ``asked`` (the edge knows which stream stops soonest): both of one
-        class on one backend, ``asked`` asked and ``other`` pausable, not asked; False (nothing changed)
+        """Ask ``other`` to pause instead of ``asked`` (the edge knows which stream stops soonest): both of
+        one class on one backend, ``asked`` asked and ``other`` pausable, not asked; False (nothing changed)
         otherwise."""
         pausable = self._pausable.get(asked.backend, {})
         if (
@@ -263,7 +263,7 @@ class AdmissionScheduler:
         return Outcome(admitted=tuple(admitted), pause=tuple(paused))
 
     def _victim(self, backend: str) -> Ticket | None:
-        """The pausable ticket to ask first: of the lowest class, the newest admitted (the least to re-read)."""
+        """The pausable ticket to ask first: of the lowest class, the newest admitted (least to re-read)."""
         victim: Ticket | None = None
         for t in self._pausable.get(backend, {}).values():  # oldest admitted first
             if t.id not in self._pausing and (

@@ -44,8 +44,8 @@ from config.settings import AdmissionConfig
 from gateway.context import Attempt, Draft, RequestContext
 from gateway.errors import ServerBusy, UpstreamError
 from gateway.metrics import AdmissionMetrics
-from gateway.phases import BodyFilter
 from gateway.pausing import Pausable, resumable_attempt, resumable_body
+from gateway.phases import BodyFilter
 from gateway.waiting import EarlyHeadSend
 
 log = logging.getLogger("warmroute.admission")
@@ -277,9 +277,7 @@ class AdmissionControl:
 
     # -- inside -------------------------------------------------------------------------------------
 
-    async def _wait(
-        self, ticket: Ticket, waiter: asyncio.Future[Refusal | None], send: Send | None
-    ) -> None:
+    async def _wait(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None], send: Send | None) -> None:
         deadline = ticket.arrived + self.specs[ticket.klass].timeout_s
         stream = send if isinstance(send, EarlyHeadSend) else None
         while not waiter.done():

@@ -1,11 +1,12 @@
 """Pausing a running stream for a higher class, and resuming it, so that its client sees one stream.
 
 Engines never free a running request's slot for a waiting one (vLLM's scheduler preempts only when KV blocks
-run out), so an interactive turn behind a full batch waits for a slot turnover. Admission (gateway/admission.py)
-asks a batch stream it seated to pause; this body filter does it at the next read of the engine's stream:
+run out), so an interactive turn behind a full batch waits for a slot turnover. Admission
+(gateway/admission.py) seats the turn at once and asks a batch stream to pause; this body filter does it at
+the next read of that stream:
 
 1. The read goes on to the client, then the relay stops reading (``attempt.cut``) and closes the exchange: the
-   engine aborts the request and frees its slot, which the waiter takes (the seat is given back).
+   engine aborts the request and frees its slot, which the turn (queued in the engine by then) takes.
 2. ``before_follow_up`` waits for the seat again (the paused request waits first among its client's).
 3. The follow-up continues the same assistant turn on the same backend: the request as sent, the text so far
    as an assistant prefix with the dialect's continuation arguments (vLLM: ``continue_final_message``, no
@@ -24,8 +25,8 @@ The first part's bytes go on as the engine sent them; continuations are re-seria
 
 from __future__ import annotations
 
-import json
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 

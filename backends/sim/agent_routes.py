@@ -49,9 +49,7 @@ class AgentHandlers:
 
     def _stream(self, body: AsyncGenerator[bytes, None]) -> AbortingStream:
         limit = self.engine.faults.current.die_mid_stream_after
-        return AbortingStream(
-            break_after(body, limit), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return AbortingStream(break_after(body, limit), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _finish(self, request: Request, req: SimRequest, plan: OutputPlan, usage: RequestUsage) -> bool:
         done, _ = await until_disconnect(request.receive, run_to_end(self.engine, req, plan, usage))

@@ -88,9 +88,7 @@ class SimHandlers:
         if req.stream:
             limit = self.engine.faults.current.die_mid_stream_after
             body = break_after(self._sse(req, plan, usage, head), limit)
-            return AbortingStream(
-                body, media_type="text/event-stream", headers={"cache-control": "no-cache"}
-            )
+            return AbortingStream(body, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         done, _ = await until_disconnect(request.receive, run_to_end(self.engine, req, plan, usage))
         if not done:
             return Response(status_code=499)

@@ -227,7 +227,11 @@ def _continues(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...]] | None:
     if not body.get("continue_final_message") or not isinstance(messages, list) or not messages:
         return None
     last = messages[-1]
-    if not isinstance(last, Mapping) or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+    if (
+        not isinstance(last, Mapping)
+        or last.get("role") != "assistant"
+        or not isinstance(last.get("content"), str)
+    ):
         return None
     return chat_prompt(messages[:-1], body), tuple(last["content"].split())
 

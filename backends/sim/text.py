@@ -119,7 +119,9 @@ def continue_plan(
     ``prompt`` (the conversation before it) would get, the rest of that answer; else None. So a stream cut
     and continued gives the words one uninterrupted run would have given."""
     whole = replace(spec, max_tokens=spec.max_tokens + len(prefix))
-    plan = plan_output(prompt, whole, seed=seed, answer_tokens=answer_tokens, reasoning_tokens=reasoning_tokens)
+    plan = plan_output(
+        prompt, whole, seed=seed, answer_tokens=answer_tokens, reasoning_tokens=reasoning_tokens
+    )
     if plan.reasoning or plan.answer[: len(prefix)] != prefix:
         return None
     return OutputPlan((), plan.answer[len(prefix) :], plan.finish_reason, continued=bool(prefix))

@@ -19,10 +19,9 @@ from typing import Any
 import httpx
 import pytest
 from simprocs import SimFactory
+from test_gateway_engines import backend, gateway
 
 from gateway.app import Gateway
-
-from test_gateway_engines import backend, gateway
 
 pytestmark = pytest.mark.anyio
 SLOW = ["--max-running", "2", "--time-scale", "1", "--decode-tps", "50", "--seed", "7"]
@@ -114,7 +113,9 @@ async def test_an_interactive_turn_pauses_a_batch_stream_which_resumes_whole(sim
             assert usage == {**whole.usage(), "prompt_tokens_details": usage["prompt_tokens_details"]}
             ids = {ch["id"] for ch in stream.chunks}
             assert (stream.roles(), stream.done, ids) == (1, 1, {stream.chunks[0]["id"]})
-            finishes = [ch["finish_reason"] for c_ in stream.chunks for ch in c_["choices"] if ch["finish_reason"]]
+            finishes = [
+                ch["finish_reason"] for c_ in stream.chunks for ch in c_["choices"] if ch["finish_reason"]
+            ]
             assert finishes == ["length"]
 
         await admission.until(lambda: running(gw) == 0)
