@@ -728,7 +728,8 @@ class QuotaMetrics(Collector):
 class AdmissionMetrics(Collector):
     """Admission per backend (gateway/admission.py), registered on ``r``. Labels: class names and backend ids
     from the configuration, client key names from the configuration ("" for requests without a key), and
-    the outcomes ``admitted``, ``queue_full``, ``timeout``, ``left``."""
+    the outcomes ``admitted``, ``queue_full``, ``timeout``, ``left`` (and ``timeout_paused``: a paused stream
+    that waited its class's timeout to resume)."""
 
     def __init__(self, r: CollectorRegistry, classes: Sequence[str]) -> None:
         self.depths: dict[str, int] = dict.fromkeys(classes, 0)
