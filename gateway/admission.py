@@ -92,6 +92,7 @@ class Seat:
         if self._owner is None:
             return
         self.asked = self.seated = False
+        self.heard = 0.0
         self._ticket = await self._owner.paused(self._ticket)
         self.seated = True
 

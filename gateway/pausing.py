@@ -126,6 +126,7 @@ class Pausable(BodyFilterBase):
             self.cut = self.attempt.cut = False
             self.parts += 1
             self.prefix_tokens = self.tokens
+            self.seat.heard = 0.0  # not heard in this part yet: its first read is a prefill away
             self.rewrites = True  # from now on every event is re-serialised as part of the first stream
 
     # -- inside ----------------------------------------------------------------------------------------
