@@ -16,6 +16,15 @@ admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one
   its estimate when admitted and corrected to its actual usage when it finishes. A client that becomes active
   (nothing waiting or running in that class) starts at the class's clock, the usage of the last admitted
   request's client at admission, so time spent idle banks no credit and past heavy use is not held against it.
+- Pausing (a class with ``preemptible``): a waiter that finds its backend full while that backend runs a
+  resumable ticket of a preemptible lower class is seated at once on that ticket's slot, and the ticket is
+  asked to pause (``Outcome.pause``): of the lowest class, the newest admitted (the least to re-read). Until
+  it has, the backend runs one more than its capacity; the engine's own queue holds the waiter for the
+  moment it takes to stop (an engine never frees a running request's slot for a waiting one, so without
+  this the waiter waits a slot turnover). The edge stops that stream at the engine and says so
+  (``paused``): the ticket waits again, first among its client's, to be resumed; its usage is charged once
+  over both parts. One that finishes before it pauses simply finishes; one the edge cannot pause after all
+  (``keep``) is never asked again, and the next victim is asked for the slot instead.
 - Bounds: at most ``max_queued`` waiters per class, over all backends (beyond: refused at once); a waiter is
   refused once it has waited its class's ``timeout_s`` (``expire``).
 - Unknown tickets change nothing; nothing here raises on a client's behaviour.
@@ -24,7 +33,7 @@ admitted and who is refused now (an ``Outcome``). Rules (the tests hold each one
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 
@@ -45,6 +54,7 @@ class ClassSpec:
     timeout_s: float
     retry_after_s: float
     headroom: int = 0
+    preemptible: bool = False  # its running requests may be paused for a waiting request of a higher class
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +67,7 @@ class Ticket:
     klass: str
     cost: int
     arrived: float
+    resumable: bool = False  # the edge can pause and resume it (a stream it can continue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +81,7 @@ class Refusal:
 class Outcome:
     admitted: tuple[Ticket, ...] = ()
     refused: tuple[Refusal, ...] = ()
+    pause: tuple[Ticket, ...] = ()  # running tickets the edge should pause now (``paused`` once they are)
 
 
 NOTHING = Outcome()
@@ -96,6 +108,10 @@ class AdmissionScheduler:
         self.capacities: dict[str, int] = dict(capacities or {})
         self._running: dict[str, int] = {}  # backend -> admitted, not finished
         self._tickets: dict[int, Ticket] = {}  # waiting ones
+        # Running tickets that may be paused, per backend, oldest admitted first; those asked to pause.
+        self._pausable: dict[str, dict[int, Ticket]] = {}
+        self._pausing: dict[int, Ticket] = {}
+        self._borrowers: dict[int, int] = {}  # a ticket asked to pause -> the rank of the one on its slot
 
     # -- what the edge reads ------------------------------------------------------------------------
 
@@ -113,6 +129,12 @@ class AdmissionScheduler:
 
     def classes(self) -> list[str]:
         return list(self._classes)
+
+    def pausing(self, backend: str) -> int:
+        return sum(1 for t in self._pausing.values() if t.backend == backend)
+
+    def waiting_ticket(self, ticket_id: int) -> Ticket | None:
+        return self._tickets.get(ticket_id)
 
     def next_deadline(self) -> float | None:
         times = [t.arrived + self._classes[t.klass].spec.timeout_s for t in self._tickets.values()]
@@ -148,11 +170,60 @@ class AdmissionScheduler:
         if running <= 0 or ticket.id in self._tickets:
             return NOTHING
         self._running[ticket.backend] = running - 1
+        self._unpausable(ticket)
         c = self._classes[ticket.klass]
         if used is not None:
             c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) + used - ticket.cost
         self._inactive(c, ticket.client)
         return self._fill(ticket.backend)
+
+    def paused(self, ticket: Ticket, now: float) -> Outcome:
+        """A ticket asked to pause stopped at its engine: its slot is free, it waits again (first among its
+        client's, its class's timeout counted from ``now``), its estimate uncharged until it is resumed."""
+        running = self._running.get(ticket.backend, 0)
+        if ticket.id not in self._pausing or running <= 0:
+            return NOTHING
+        self._unpausable(ticket)
+        self._running[ticket.backend] = running - 1
+        c = self._classes[ticket.klass]
+        c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) - ticket.cost
+        again = replace(ticket, arrived=now)
+        c.waiting.setdefault(ticket.client, []).insert(0, again)
+        c.depth += 1
+        self._tickets[again.id] = again
+        return self._fill(ticket.backend)
+
+    def keep(self, ticket: Ticket) -> Outcome:
+        """The edge cannot pause ``ticket`` after all: never ask it again; the slot it was asked for is asked
+        of the next victim, if any (else the backend runs one over until a request finishes)."""
+        if self._pausable.get(ticket.backend, {}).pop(ticket.id, None) is None:
+            return NOTHING
+        if self._pausing.pop(ticket.id, None) is None:
+            return NOTHING
+        rank = self._borrowers.pop(ticket.id)
+        victim = self._victim(ticket.backend)
+        if victim is None or self._classes[victim.klass].spec.rank <= rank:
+            return NOTHING
+        self._pausing[victim.id] = victim
+        self._borrowers[victim.id] = rank
+        return Outcome(pause=(victim,))
+
+    def swap(self, asked: Ticket, other: Ticket) -> bool:
+        """Ask ``other`` to pause instead of ``asked`` (the edge knows which stream stops soonest): both of
+        one class on one backend, ``asked`` asked and ``other`` pausable, not asked; False (nothing changed)
+        otherwise."""
+        pausable = self._pausable.get(asked.backend, {})
+        if (
+            asked.id not in self._pausing
+            or other.id not in pausable
+            or other.id in self._pausing
+            or (other.backend, other.klass) != (asked.backend, asked.klass)
+        ):
+            return False
+        del self._pausing[asked.id]
+        self._pausing[other.id] = other
+        self._borrowers[other.id] = self._borrowers.pop(asked.id)
+        return True
 
     def expire(self, now: float) -> Outcome:
         """Refuse every waiter that has waited its class's timeout."""
@@ -172,8 +243,11 @@ class AdmissionScheduler:
 
     def _fill(self, backend: str) -> Outcome:
         admitted: list[Ticket] = []
-        while self.running(backend) < self.capacity(backend):
-            ticket = self._next(backend)
+        paused: list[Ticket] = []
+        while True:
+            ticket = self._next(backend) if self.running(backend) < self.capacity(backend) else None
+            if ticket is None and self._pausable.get(backend):
+                ticket = self._borrow(backend, paused)
             if ticket is None:
                 break
             self._unqueue(ticket)
@@ -181,26 +255,63 @@ class AdmissionScheduler:
             c.clock = max(c.clock, c.usage.get(ticket.client, 0.0))
             c.usage[ticket.client] = c.usage.get(ticket.client, 0.0) + ticket.cost
             self._running[backend] = self.running(backend) + 1
+            if ticket.resumable and c.spec.preemptible:
+                self._pausable.setdefault(backend, {})[ticket.id] = ticket
             admitted.append(ticket)
-        return Outcome(admitted=tuple(admitted)) if admitted else NOTHING
+        if not admitted:
+            return NOTHING
+        return Outcome(admitted=tuple(admitted), pause=tuple(paused))
+
+    def _victim(self, backend: str) -> Ticket | None:
+        """The pausable ticket to ask first: of the lowest class, the newest admitted (least to re-read)."""
+        victim: Ticket | None = None
+        for t in self._pausable.get(backend, {}).values():  # oldest admitted first
+            if t.id not in self._pausing and (
+                victim is None or self._classes[t.klass].spec.rank >= self._classes[victim.klass].spec.rank
+            ):
+                victim = t
+        return victim
+
+    def _borrow(self, backend: str, paused: list[Ticket]) -> Ticket | None:
+        """On a full ``backend``: the best waiter of a class above the victim's, seated now on the victim's
+        slot (the victim is asked to pause; until it has, the backend runs one more than its capacity)."""
+        victim = self._victim(backend)
+        if victim is None:
+            return None
+        rank = self._classes[victim.klass].spec.rank
+        for c in self._classes.values():  # by rank
+            if c.spec.rank >= rank:
+                return None
+            ticket = self._best(c, backend)
+            if ticket is not None:
+                self._pausing[victim.id] = victim
+                self._borrowers[victim.id] = c.spec.rank
+                paused.append(victim)
+                return ticket
+        return None
 
     def _next(self, backend: str) -> Ticket | None:
         room = self.capacity(backend) - self.running(backend)
         for c in self._classes.values():  # by rank
             if room <= c.spec.headroom:
                 continue
-            best: Ticket | None = None
-            best_usage = 0.0
-            for client, queue in c.waiting.items():
-                ticket = next((t for t in queue if t.backend == backend), None)
-                if ticket is None:
-                    continue
-                usage = c.usage.get(client, 0.0)
-                if best is None or (usage, ticket.arrived, ticket.id) < (best_usage, best.arrived, best.id):
-                    best, best_usage = ticket, usage
+            best = self._best(c, backend)
             if best is not None:
                 return best
         return None
+
+    def _best(self, c: _Class, backend: str) -> Ticket | None:
+        """``c``'s waiter for ``backend`` that goes first: the least-used client's oldest."""
+        best: Ticket | None = None
+        best_usage = 0.0
+        for client, queue in c.waiting.items():
+            ticket = next((t for t in queue if t.backend == backend), None)
+            if ticket is None:
+                continue
+            usage = c.usage.get(client, 0.0)
+            if best is None or (usage, ticket.arrived, ticket.id) < (best_usage, best.arrived, best.id):
+                best, best_usage = ticket, usage
+        return best
 
     def _unqueue(self, ticket: Ticket) -> None:
         del self._tickets[ticket.id]
@@ -210,6 +321,13 @@ class AdmissionScheduler:
         if not queue:
             del c.waiting[ticket.client]
         c.depth -= 1
+
+    def _unpausable(self, ticket: Ticket) -> None:
+        pausable = self._pausable.get(ticket.backend)
+        if pausable is not None:
+            pausable.pop(ticket.id, None)
+        self._pausing.pop(ticket.id, None)
+        self._borrowers.pop(ticket.id, None)
 
     def _inactive(self, c: _Class, client: str) -> None:
         n = c.active.get(client, 0) - 1

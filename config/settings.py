@@ -253,6 +253,11 @@ class AdmissionClassConfig(_Section):
     headroom: int = Field(
         default=0, ge=0, description="Slots of each backend this class leaves free for higher classes"
     )
+    preemptible: bool = Field(
+        default=False,
+        description="A streamed chat completion of this class may be paused (its engine request aborted) "
+        "for a waiting request of a higher class, and resumed as a continuation of the same stream",
+    )
 
 
 def _default_classes() -> dict[str, AdmissionClassConfig]:

@@ -16,6 +16,10 @@ the load a policy sees is the engine's own in-flight requests, which admission k
   SSE ``error`` event).
 - Backends in ``engine_priority`` (vLLM under ``--scheduling-policy priority``) are sent the class's rank as
   the request's ``priority`` (0 first, as vLLM orders it), unless the client set one; others get nothing new.
+- Classes with ``preemptible`` (batch): a stream of theirs that can be continued (gateway/pausing.py) may be
+  paused for a waiting request of a higher class on its full backend: its engine request is aborted, the
+  waiter takes the slot, and the stream waits for a seat again and goes on as a continuation of the same
+  turn; its client sees one stream.
 - The client leaving (the proxy's task cancelled) leaves the queue at once; a seat already granted is given
   back. The ``Seat`` is released in the proxy's finish, whatever happened; releasing admits the next waiter.
 
@@ -37,9 +41,11 @@ from starlette.types import Send
 from backends.admission import AdmissionScheduler, ClassSpec, Outcome, Refusal, Ticket, Why
 from backends.registry import Backend
 from config.settings import AdmissionConfig
-from gateway.context import Draft, RequestContext
-from gateway.errors import ServerBusy
+from gateway.context import Attempt, Draft, RequestContext
+from gateway.errors import ServerBusy, UpstreamError
 from gateway.metrics import AdmissionMetrics
+from gateway.pausing import Pausable, resumable_attempt, resumable_body
+from gateway.phases import BodyFilter
 from gateway.waiting import EarlyHeadSend
 
 log = logging.getLogger("warmroute.admission")
@@ -47,6 +53,7 @@ log = logging.getLogger("warmroute.admission")
 CLASS_HEADER = b"x-warmroute-class"
 ADMITTED = "admitted"
 LEFT = "left"
+TIMEOUT_PAUSED = "timeout_paused"
 
 
 class AdmissionRefused(ServerBusy):
@@ -62,18 +69,46 @@ class AdmissionRefused(ServerBusy):
 
 
 class Seat:
-    """One admitted request's slot on its backend; ``release`` (once, idempotent) charges its usage."""
+    """One admitted request's slot on its backend; ``release`` (once, idempotent) charges its usage.
 
-    __slots__ = ("_ctx", "_owner", "_ticket")
+    A resumable one may be ``asked`` to pause; ``pause`` gives the slot back and waits for it again."""
+
+    __slots__ = ("_ctx", "_owner", "_ticket", "asked", "heard", "seated")
 
     def __init__(self, owner: AdmissionControl, ticket: Ticket, ctx: RequestContext | None) -> None:
         self._owner: AdmissionControl | None = owner
         self._ticket, self._ctx = ticket, ctx
+        self.asked = False
+        self.seated = True  # False while paused, waiting for its seat again
+        self.heard = 0.0  # loop time of its engine's latest read (0: none yet)
+
+    @property
+    def ticket(self) -> Ticket:
+        return self._ticket
+
+    async def pause(self) -> None:
+        """The stream stopped at its engine: the slot goes to the waiter; back once seated again (a wait past
+        the class's timeout is an ``UpstreamError``: the stream is already under way)."""
+        if self._owner is None:
+            return
+        self.asked = self.seated = False
+        self.heard = 0.0
+        self._ticket = await self._owner.paused(self._ticket)
+        self.seated = True
+
+    def keep(self) -> None:
+        """This stream cannot be paused (now or later): admission asks another."""
+        self.asked = False
+        if self._owner is not None:
+            self._owner.keep(self._ticket)
 
     def release(self) -> None:
         owner, self._owner = self._owner, None
         if owner is None:
             return
+        owner.unseat(self._ticket)
+        if not self.seated:
+            return  # left while paused: ``paused`` took it out of the queue
         try:
             used = _used(self._ctx)
         except Exception:  # a defect reading the usage must not keep the slot: the estimate stands
@@ -87,7 +122,7 @@ class AdmissionControl:
         self.cfg = cfg
         self.metrics = metrics
         self.specs = {
-            name: ClassSpec(name, rank, c.max_queued, c.timeout_s, c.retry_after_s, c.headroom)
+            name: ClassSpec(name, rank, c.max_queued, c.timeout_s, c.retry_after_s, c.headroom, c.preemptible)
             for rank, (name, c) in enumerate(cfg.classes.items())
         }
         self.scheduler = AdmissionScheduler(tuple(self.specs.values()), cfg.max_in_flight, cfg.backends)
@@ -97,6 +132,7 @@ class AdmissionControl:
         self._by_priority = frozenset(cfg.engine_priority)
         self._changed = asyncio.Event()  # set, and replaced, whenever a request queued, left or was decided
         self._watchers = 0  # ``until`` callers: the fast path announces only when someone listens
+        self._pausable: dict[int, Seat] = {}  # seated resumable tickets: who is told to pause
 
     async def until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds, checked whenever admission's state changes (tests, status)."""
@@ -122,13 +158,15 @@ class AdmissionControl:
     async def seat(self, ctx: RequestContext, backend: str, send: Send) -> Seat:
         klass = self.class_of(ctx)
         now = time.monotonic()
-        ticket = Ticket(next(self._ids), backend, ctx.client or "", klass, self.estimate(ctx), now)
+        resumable = self.specs[klass].preemptible and resumable_body(ctx.body)
+        client = ctx.client or ""
+        ticket = Ticket(next(self._ids), backend, client, klass, self.estimate(ctx), now, resumable)
         outcome = self.scheduler.arrive(ticket, now)
         if ticket in outcome.admitted:  # room, nobody waiting for it: no future
             self._record(ticket, ADMITTED)
-            if self._watchers:
-                self._announce()
-            return Seat(self, ticket, ctx)
+            if self._watchers or outcome.pause:
+                self._apply(outcome)
+            return self._seated(ticket, ctx)
         waiter: asyncio.Future[Refusal | None] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = waiter
         self._apply(outcome)
@@ -148,7 +186,38 @@ class AdmissionControl:
                 refusal.retry_after_s,
             )
         self._record(ticket, ADMITTED)
-        return Seat(self, ticket, ctx)
+        return self._seated(ticket, ctx)
+
+    def _seated(self, ticket: Ticket, ctx: RequestContext) -> Seat:
+        seat = Seat(self, ticket, ctx)
+        if ticket.resumable:
+            self._pausable[ticket.id] = seat
+        return seat
+
+    async def paused(self, ticket: Ticket) -> Ticket:
+        """``ticket``'s stream stopped at its engine: wait for its seat again (``Seat.pause``)."""
+        waiter: asyncio.Future[Refusal | None] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.id] = waiter
+        self.metrics.paused(ticket.klass)
+        self._apply(self.scheduler.paused(ticket, time.monotonic()))
+        again = self.scheduler.waiting_ticket(ticket.id) or ticket
+        try:
+            if not waiter.done():
+                await self._wait(again, waiter, None)
+        except BaseException:  # the client left while its stream was paused
+            self._gone(again, waiter)
+            raise
+        if waiter.result() is not None:
+            self._record(again, TIMEOUT_PAUSED)
+            raise UpstreamError(f"a paused stream waited too long for backend {ticket.backend}")
+        self.metrics.running[ticket.backend] = self.scheduler.running(ticket.backend)
+        return again
+
+    def keep(self, ticket: Ticket) -> None:
+        self._apply(self.scheduler.keep(ticket))
+
+    def unseat(self, ticket: Ticket) -> None:
+        self._pausable.pop(ticket.id, None)
 
     def finished(self, ticket: Ticket, used: int | None) -> None:
         self._apply(self.scheduler.finish(ticket, used))
@@ -159,6 +228,17 @@ class AdmissionControl:
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
         if backend.id in self._by_priority and "priority" not in (draft.read() or {}):
             draft.edit()["priority"] = self.specs[self.class_of(ctx)].rank
+
+    # -- BodyFilters: a resumable stream's pausing ----------------------------------------------------------
+
+    def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter | None:
+        seat = next((s for s in ctx.seats if isinstance(s, Seat) and s.ticket.resumable), None)
+        if seat is None:
+            return None
+        if status != 200 or not sse or not resumable_attempt(attempt):
+            seat.keep()
+            return None
+        return Pausable(attempt, seat, seat.pause, seat.keep)
 
     def status(self) -> dict[str, Any]:
         """What the admin API shows: each class's queue, each backend's admitted requests, per-key counts."""
@@ -198,7 +278,7 @@ class AdmissionControl:
 
     # -- inside -------------------------------------------------------------------------------------
 
-    async def _wait(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None], send: Send) -> None:
+    async def _wait(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None], send: Send | None) -> None:
         deadline = ticket.arrived + self.specs[ticket.klass].timeout_s
         stream = send if isinstance(send, EarlyHeadSend) else None
         while not waiter.done():
@@ -222,6 +302,12 @@ class AdmissionControl:
         self._record(ticket, LEFT)
 
     def _apply(self, outcome: Outcome) -> None:
+        for ticket in outcome.pause:
+            seat = self._sooner(self._pausable.get(ticket.id), ticket)
+            if seat is None:  # not relayed yet, or already ending: let the scheduler ask another
+                self._apply(self.scheduler.keep(ticket))
+            else:
+                seat.asked = True
         for ticket in outcome.admitted:
             waiter = self._waiters.pop(ticket.id, None)
             if waiter is not None and not waiter.done():
@@ -233,6 +319,21 @@ class AdmissionControl:
         for name in self.specs:
             self.metrics.depth(name, self.scheduler.depth(name))
         self._announce()
+
+    def _sooner(self, seat: Seat | None, ticket: Ticket) -> Seat | None:
+        """The seat to pause for ``ticket``'s: of its class and backend, the one whose engine was heard from
+        longest ago (its next read, where a pause takes effect, comes first; engines that decode in lockstep
+        tie, and the scheduler's choice stands)."""
+        best = seat
+        for other in self._pausable.values():
+            t = other.ticket
+            if other.asked or not other.heard or (t.backend, t.klass) != (ticket.backend, ticket.klass):
+                continue
+            if best is None or not best.heard or other.heard < best.heard:
+                best = other
+        if best is not seat and best is not None and not self.scheduler.swap(ticket, best.ticket):
+            return seat
+        return best
 
     def _announce(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

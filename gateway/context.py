@@ -112,6 +112,9 @@ class Attempt:
     #: The answer's usage when a body filter put it together (a stitched follow-up), for the observers:
     #: what the relayed bytes say otherwise (gateway/observe.py).
     usage: Usage | None = None
+    #: A body filter ended this exchange before the engine did (admission paused the stream): the relay
+    #: stops reading it, and the filter's follow-up goes on with the answer.
+    cut: bool = False
 
 
 class Draft:

@@ -219,7 +219,7 @@ class Relay:
             for f in filters:
                 if f.own_continued:
                     f.continued()
-            response = await self._follow(ctx, response, payload, watch)
+            response = await self._follow(ctx, response, payload, watch, filters)
         ended = _ended(filters)
         tail = b"".join([p.raw for p in ended]) if ended else b""
         if not held:
@@ -242,7 +242,8 @@ class Relay:
         filters: tuple[BodyFilter, ...],
     ) -> None:
         """One exchange's body, relayed as it comes: a stream event by event, a plain body chunk by chunk."""
-        assert ctx.lease is not None
+        assert ctx.lease is not None and ctx.attempt is not None
+        attempt = ctx.attempt
         splitter = EventSplitter(self.limits.max_event_bytes) if sse and filters else None
         rewrites = False
         for f in filters:  # not ``any()``: a generator per response
@@ -276,6 +277,8 @@ class Relay:
                 watch.chunk_sent()
             else:
                 watch.last = clock()  # held back, but heard
+            if attempt.cut:
+                break  # a filter ended this exchange here; its follow-up goes on
         rest = b"" if splitter is None else splitter.close()
         if rest:
             pieces = _through(filters, [Unended(rest)])
@@ -311,12 +314,21 @@ class Relay:
         return data
 
     async def _follow(
-        self, ctx: RequestContext, done: TransportResponse, payload: dict[str, Any], watch: SilenceWatch
+        self,
+        ctx: RequestContext,
+        done: TransportResponse,
+        payload: dict[str, Any],
+        watch: SilenceWatch,
+        filters: tuple[BodyFilter, ...],
     ) -> TransportResponse:
-        """Close the exchange that ended (the engine stops), then send the follow-up on the same lease."""
+        """Close the exchange that ended (the engine stops), let each filter get ready (a paused stream waits
+        for its seat: not engine silence), then send the follow-up on the same lease."""
         assert ctx.lease is not None
         await done.aclose()
         ctx.upstream = None
+        watch.sending = True
+        for f in filters:
+            await f.before_follow_up()
         backend = ctx.lease.backend
         forward = ctx.client is None or backend.cfg.forward_client_key
         headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)

@@ -728,14 +728,19 @@ class QuotaMetrics(Collector):
 class AdmissionMetrics(Collector):
     """Admission per backend (gateway/admission.py), registered on ``r``. Labels: class names and backend ids
     from the configuration, client key names from the configuration ("" for requests without a key), and
-    the outcomes ``admitted``, ``queue_full``, ``timeout``, ``left``."""
+    the outcomes ``admitted``, ``queue_full``, ``timeout``, ``left`` (and ``timeout_paused``: a paused stream
+    that waited its class's timeout to resume)."""
 
     def __init__(self, r: CollectorRegistry, classes: Sequence[str]) -> None:
         self.depths: dict[str, int] = dict.fromkeys(classes, 0)
         self.running: dict[str, int] = {}  # backend -> admitted, not finished
         self.waits: dict[tuple[str, str], _Histogram] = {}  # (class, outcome)
         self.clients: dict[tuple[str, str], int] = {}  # (client, outcome)
+        self.pauses: dict[tuple[str], int] = dict.fromkeys(((c,) for c in classes), 0)
         r.register(self)
+
+    def paused(self, klass: str) -> None:
+        _bump(self.pauses, (klass,))
 
     def depth(self, klass: str, waiting: int) -> None:
         self.depths[klass] = waiting
@@ -775,6 +780,12 @@ class AdmissionMetrics(Collector):
             "Requests admitted or refused by admission, per client key name",
             ("client", "outcome"),
             self.clients,
+        )
+        yield from _counter(
+            "warmroute_admission_paused",
+            "Streams paused for a higher class's waiting request (resumed as a continuation), by class",
+            ("class",),
+            self.pauses,
         )
 
 

@@ -101,8 +101,10 @@ class BodyFilter(Protocol):
     they should go on (changed, dropped, or as they came); ``body``: a non-streamed body (whole when any
     filter ``holds`` it, else each chunk). A ``GatewayError`` raised here ends the answer with it (the engine
     answered: no failure of its health). ``follow_up``: after the engine's body ended, the body of a second
-    exchange on the same lease, or None; ``continued`` tells every filter one starts. ``end``: pieces to send
-    after the last one; ``close``: the attempt's relay is over, however it ended.
+    exchange on the same lease, or None; ``before_follow_up`` is awaited once the ended exchange is closed
+    and before the follow-up is sent (a paused stream waits for its seat again); ``continued`` tells every
+    filter one starts. A filter that sets ``attempt.cut`` ends the exchange after the read it is given.
+    ``end``: pieces to send after the last one; ``close``: the attempt's relay is over, however it ended.
     """
 
     holds: bool  # a non-streamed body is read whole (bounded) before it is given to ``body``
@@ -119,6 +121,8 @@ class BodyFilter(Protocol):
     def body(self, data: bytes) -> bytes: ...
 
     def follow_up(self) -> dict[str, Any] | None: ...
+
+    async def before_follow_up(self) -> None: ...
 
     def continued(self) -> None: ...
 
@@ -149,6 +153,9 @@ class BodyFilterBase:
         return data
 
     def follow_up(self) -> dict[str, Any] | None:
+        return None
+
+    async def before_follow_up(self) -> None:
         return None
 
     def continued(self) -> None:

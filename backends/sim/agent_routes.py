@@ -18,14 +18,14 @@ from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backends.sim import messages, responses
 from backends.sim.engine import RequestUsage, SimEngine
 from backends.sim.protocol import SimError, SimRequest, bad_request
 from backends.sim.response_store import ResponseStore
-from backends.sim.running import break_after, run_to_end, start, until_disconnect
+from backends.sim.running import AbortingStream, break_after, run_to_end, start, until_disconnect
 from backends.sim.text import OutputPlan
 
 SSE_HEADERS = {"cache-control": "no-cache"}
@@ -47,11 +47,9 @@ class AgentHandlers:
         self.store = ResponseStore() if engine.cfg.responses_store else None
         self._serials = itertools.count(1)
 
-    def _stream(self, body: AsyncGenerator[bytes, None]) -> StreamingResponse:
+    def _stream(self, body: AsyncGenerator[bytes, None]) -> AbortingStream:
         limit = self.engine.faults.current.die_mid_stream_after
-        return StreamingResponse(
-            break_after(body, limit), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return AbortingStream(break_after(body, limit), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _finish(self, request: Request, req: SimRequest, plan: OutputPlan, usage: RequestUsage) -> bool:
         done, _ = await until_disconnect(request.receive, run_to_end(self.engine, req, plan, usage))

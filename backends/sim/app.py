@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,7 +45,7 @@ from backends.sim.protocol import (
     sse,
     usage_chunk,
 )
-from backends.sim.running import break_after, run_to_end, start, until_disconnect
+from backends.sim.running import AbortingStream, break_after, run_to_end, start, until_disconnect
 from backends.sim.text import OutputPlan
 
 NAME_HEADER = "x-sim-name"
@@ -88,9 +88,7 @@ class SimHandlers:
         if req.stream:
             limit = self.engine.faults.current.die_mid_stream_after
             body = break_after(self._sse(req, plan, usage, head), limit)
-            return StreamingResponse(
-                body, media_type="text/event-stream", headers={"cache-control": "no-cache"}
-            )
+            return AbortingStream(body, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         done, _ = await until_disconnect(request.receive, run_to_end(self.engine, req, plan, usage))
         if not done:
             return Response(status_code=499)

@@ -67,6 +67,8 @@ class SimRequest:
     include_usage: bool
     spec: OutputSpec
     priority: int = 0  # vLLM's request field: lower is scheduled first under the priority policy
+    #: A chat continuing its final assistant message: (the prompt before that message, its words).
+    continues: tuple[str, tuple[str, ...]] | None = None
 
 
 # -- request validation ------------------------------------------------------------------------------------
@@ -212,7 +214,26 @@ def parse_request(raw: bytes, endpoint: Endpoint, cfg: SimConfig) -> SimRequest:
         request_seed=optional_int(body, "seed", -(2**63)),
     )
     priority = _priority(body, cfg)
-    return SimRequest(endpoint, model, prompt_text, prompt_tokens, stream, include_usage, spec, priority)
+    continues = _continues(body) if is_chat else None
+    return SimRequest(
+        endpoint, model, prompt_text, prompt_tokens, stream, include_usage, spec, priority, continues
+    )
+
+
+def _continues(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...]] | None:
+    """For ``continue_final_message`` on an assistant message of plain text: the prompt the conversation
+    before it renders to (with the generation prompt) and the message's words."""
+    messages = body.get("messages")
+    if not body.get("continue_final_message") or not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if (
+        not isinstance(last, Mapping)
+        or last.get("role") != "assistant"
+        or not isinstance(last.get("content"), str)
+    ):
+        return None
+    return chat_prompt(messages[:-1], body), tuple(last["content"].split())
 
 
 def _priority(body: Mapping[str, Any], cfg: SimConfig) -> int:

@@ -8,11 +8,12 @@ from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
-from starlette.types import Receive
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from backends.sim.engine import RequestUsage, SimEngine
 from backends.sim.protocol import SimError, SimRequest
-from backends.sim.text import OutputPlan, plan_output
+from backends.sim.text import OutputPlan, continue_plan, plan_output
 
 T = TypeVar("T")
 
@@ -41,6 +42,16 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[bool, 
     return True, task.result()
 
 
+class AbortingStream(StreamingResponse):
+    """A streamed answer whose generation stops the moment its client disconnects, as vLLM's API server
+    aborts one (``with_cancellation`` listens for the disconnect), not when the next token fails to send:
+    Starlette listens only for servers older than ASGI 2.4, so this one says it is one."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        asgi = {**scope.get("asgi", {}), "spec_version": "2.3"}
+        await super().__call__({**scope, "asgi": asgi}, receive, send)
+
+
 async def break_after(chunks: AsyncGenerator[bytes, None], limit: int | None) -> AsyncGenerator[bytes, None]:
     async with aclosing(chunks):
         sent = 0
@@ -60,6 +71,18 @@ async def start(engine: SimEngine, req: SimRequest) -> OutputPlan:
     if faults.current.stall_s:
         await asyncio.sleep(faults.current.stall_s)
     cfg = engine.cfg
+    if req.continues is not None and not faults.current.repeat_token:
+        before, prefix = req.continues
+        plan = continue_plan(
+            before,
+            prefix,
+            req.spec,
+            seed=cfg.seed,
+            answer_tokens=cfg.answer_tokens,
+            reasoning_tokens=cfg.reasoning_tokens,
+        )
+        if plan is not None:
+            return plan
     return plan_output(
         req.prompt_text,
         req.spec,

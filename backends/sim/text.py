@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 VOCAB = (
@@ -53,6 +53,7 @@ class OutputPlan:
     reasoning: tuple[str, ...]
     answer: tuple[str, ...]
     finish_reason: FinishReason
+    continued: bool = False  # it continues an answer already begun: its first word carries its space too
 
     def __len__(self) -> int:
         return len(self.reasoning) + len(self.answer)
@@ -61,7 +62,7 @@ class OutputPlan:
         """(kind, text) per token; text carries the joining space, as real engines' deltas do."""
         for kind, words in ((PieceKind.REASONING, self.reasoning), (PieceKind.CONTENT, self.answer)):
             for index, word in enumerate(words):
-                yield kind, word if index == 0 else f" {word}"
+                yield kind, word if index == 0 and not self.continued else f" {word}"
 
     @property
     def reasoning_text(self) -> str:
@@ -103,3 +104,24 @@ def plan_output(
     reasoning = tuple(rng.choice(THINK_VOCAB) for _ in range(n_reasoning))
     answer = tuple(rng.choice(VOCAB) for _ in range(n_answer))
     return OutputPlan(reasoning, answer, finish)
+
+
+def continue_plan(
+    prompt: str,
+    prefix: tuple[str, ...],
+    spec: OutputSpec,
+    *,
+    seed: int,
+    answer_tokens: tuple[int, int],
+    reasoning_tokens: tuple[int, int],
+) -> OutputPlan | None:
+    """Greedy decoding's continuation of an assistant message: when ``prefix`` (its words) begins the answer
+    ``prompt`` (the conversation before it) would get, the rest of that answer; else None. So a stream cut
+    and continued gives the words one uninterrupted run would have given."""
+    whole = replace(spec, max_tokens=spec.max_tokens + len(prefix))
+    plan = plan_output(
+        prompt, whole, seed=seed, answer_tokens=answer_tokens, reasoning_tokens=reasoning_tokens
+    )
+    if plan.reasoning or plan.answer[: len(prefix)] != prefix:
+        return None
+    return OutputPlan((), plan.answer[len(prefix) :], plan.finish_reason, continued=bool(prefix))

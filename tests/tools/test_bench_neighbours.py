@@ -41,10 +41,12 @@ def test_every_variant_is_a_valid_gateway_config(tmp_path: Path) -> None:
     for variant in nn.VARIANTS:
         nn.start_gateway(launch, Engine("engine-1", "http://127.0.0.1:1"), variant, variant)  # type: ignore[arg-type]
     settings = [load_settings(None, **c) for c in launch.configs]
-    assert [s.admission.enabled for s in settings] == [False, True, False, True, True, True, True]
+    assert [s.admission.enabled for s in settings] == [False, True, False, True, True, True, True, True]
     by = dict(zip(nn.VARIANTS, settings, strict=True))
     assert by["flood+admission@headroom"].admission.classes["batch"].headroom == 1
     assert by["flood+admission"].admission.classes["batch"].headroom == 0
+    assert by["flood+admission@pause"].admission.classes["batch"].preemptible
+    assert not by["flood+admission"].admission.classes["batch"].preemptible
     assert by["flood+admission@one-class"].admission.clients == {}  # one class: A and B both the default
     assert by["flood+admission"].admission.clients == {"flood": "batch", "person": "interactive"}
     ranked = by["flood+engine-priority"].admission  # the engine's queue decides: nothing held back
