@@ -95,13 +95,20 @@ def listen_ports(ephemeral: range, span: int = LISTEN_SPAN) -> range:
     return ports
 
 
+def _state_dir() -> Path:
+    """One folder for every process of the user whatever ``TMPDIR`` each was given (a test or the demo may
+    get a temporary folder of its own, which must stay empty and must not split the cursor)."""
+    fixed = Path("/tmp")
+    return fixed if fixed.is_dir() and os.access(fixed, os.W_OK) else Path(tempfile.gettempdir())
+
+
 class PortAllocator:
     """Hands out ``ports`` in turn, skipping ports in use; the turn lives in ``state``, a file shared by
     every process that uses it, read and advanced under an exclusive lock."""
 
     def __init__(self, ports: Sequence[int], state: Path | None = None) -> None:
         self.ports = ports
-        self.state = state or Path(tempfile.gettempdir()) / f"warmroute-ports-{os.getuid()}"
+        self.state = state or _state_dir() / f"warmroute-ports-{os.getuid()}"
 
     def take(self) -> int:
         with self.state.open("a+") as f:
