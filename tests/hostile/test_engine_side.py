@@ -25,10 +25,10 @@ from hostile_engine import (
     steps,
     trickle,
 )
+from hostile_gateway import HostileGateway, HostileGatewayFactory, assert_one_line
 
 from gateway.outcomes import RequestOutcome
 
-from conftest import HostileGateway, HostileGatewayFactory, assert_one_line
 from upstreams import FakeEngine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}

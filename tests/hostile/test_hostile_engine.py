@@ -18,9 +18,8 @@ from hostile_engine import (
     steps,
     trickle,
 )
+from hostile_gateway import HostileGatewayFactory
 from hostile_net import RawClient, post
-
-from conftest import HostileGatewayFactory
 
 
 def _port(url: str) -> int:

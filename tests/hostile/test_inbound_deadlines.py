@@ -7,9 +7,8 @@ import threading
 import time
 
 import pytest
+from hostile_gateway import HostileGateway, HostileGatewayFactory, assert_one_line, lines
 from hostile_net import RawClient, RawResponse, post
-
-from conftest import HostileGateway, HostileGatewayFactory, assert_one_line, lines
 
 CHAT_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
 CHAT_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'

@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from hostile_gateway import HostileGatewayFactory, assert_one_line
 from hostile_net import RawClient, get, post
 
 from gateway.server_protocol import HEALTHZ_RESERVE
-
-from conftest import HostileGatewayFactory, assert_one_line
 
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
 CHAT_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'

@@ -17,6 +17,7 @@ require_vision()
 pytestmark = pytest.mark.needs("vision")
 
 from image_server import ImageServer  # noqa: E402
+from vision_images import png_bytes  # noqa: E402
 
 from sidecars.vision import addresses  # noqa: E402
 from sidecars.vision.errors import (  # noqa: E402
@@ -30,7 +31,6 @@ from sidecars.vision.errors import (  # noqa: E402
 from sidecars.vision.fetch import ImageFetcher, Resolver  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
 
-from conftest import png_bytes  # noqa: E402
 from upstreams import serve  # noqa: E402
 
 PNG = png_bytes(32, 32)
