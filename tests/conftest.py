@@ -19,7 +19,7 @@ from tools.redis_server import RedisServer, find_binary
 
 from clusters import Cluster, ClusterFactory, loop_of
 from needs import NEEDS_BY_FIXTURE
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 REQUIRE_REDIS_ENV = "WARMROUTE_REQUIRE_REDIS"
 #: The reason a whole module skips without the vision extra (tests/sidecars/vision_deps.py).
@@ -95,7 +95,7 @@ def cluster() -> Iterator[ClusterFactory]:
             }
             for f in fakes
         ]
-        overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+        overrides.setdefault("health", FAST_HEALTH)
         settings = load_settings(None, backends=backends, **overrides)
         app = create_app(settings, modules=modules, shapes=shapes)  # further modules or shapes a test adds
         url, server = stack.enter_context(serve(app))

@@ -19,7 +19,7 @@ from gateway.app import Gateway, create_app
 from gateway.server import uvicorn_config
 
 from clusters import loop_of, wait_on_loop
-from upstreams import FakeEngine, serve, served
+from upstreams import FAST_HEALTH, FakeEngine, serve, served
 
 #: Small enough that a test waiting for a deadline takes a second, not ten.
 FAST = {"header_timeout_s": 0.5}
@@ -64,7 +64,7 @@ def start_gateway(
         {"id": f.name, "url": urls[f.name], "models": list(f.models), **(backend or {})} for f in fakes
     ]
     backends += [{"id": name, "url": url, "models": ["m"]} for name, url in (raw_engines or {}).items()]
-    overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+    overrides.setdefault("health", FAST_HEALTH)
     # Hostile engines script one answer per path, not a model: a canary is beside the point here.
     overrides.setdefault("canary", {"enabled": False})
     overrides["server"] = {**FAST, **overrides.get("server", {})}
