@@ -143,7 +143,9 @@ def test_a_64_mib_header_is_431_at_once_and_the_loop_keeps_answering(
         sender.join(5)
     assert (r.status, r.error_code()) == (431, "request_header_too_large")
     print(len(latencies), time.monotonic() - started, latencies[:5])
-    assert latencies and max(latencies) < 0.15, latencies
+    # Before the limit a 64 MiB header froze the loop for 4.7 s; 1 s allows a loaded machine's stalls (a
+    # 0.15 s bound here was one busy scheduler slice from failing).
+    assert latencies and max(latencies) < 1.0, latencies
     assert_one_line(gateway_log, "431 request_header_too_large")
 
 
