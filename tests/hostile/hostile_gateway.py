@@ -24,6 +24,11 @@ from upstreams import FAST_HEALTH, FakeEngine, serve, served
 #: Small enough that a test waiting for a deadline takes a second, not ten.
 FAST = {"header_timeout_s": 0.5}
 FAST_LIMITS = {"body_read_timeout_s": 0.5}
+#: How long a test waits for an answer before it gives up: costs nothing when the answer comes.
+WAIT_S = 10.0
+#: How late a short deadline here may fire on a loaded machine (a stall), well short of any other timeout
+#: that could end the wait instead (uvicorn's keep-alive is 5 s).
+LATE_S = 4.0
 
 
 @dataclass

@@ -13,13 +13,11 @@ import threading
 import time
 
 import pytest
-from hostile_gateway import HostileGateway, HostileGatewayFactory, assert_one_line, lines
+from hostile_gateway import LATE_S, WAIT_S, HostileGateway, HostileGatewayFactory, assert_one_line, lines
 from hostile_net import RawClient, RawResponse, post
 
 CHAT_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
 CHAT_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-WAIT_S = 10.0  # how long a test waits for an answer before it gives up: costs nothing when it comes
-LATE_S = 4.0  # a 0.5 s deadline fired this much later at most: a stalled machine, not another timeout
 #: A silence limit for tests about other limits: no stall of a loaded machine reaches it.
 NO_SILENCE_LIMIT = {"body_read_timeout_s": 60.0}
 
