@@ -232,18 +232,18 @@ async def test_a_hung_probe_fails_within_timeout_and_does_not_delay_the_others(
     mock.get("http://a.test/health").mock(side_effect=hang)
     b_route = mock.get("http://b.test/health").mock(return_value=httpx.Response(200))
     async with checker(
-        backend_config("a"), backend_config("b"), interval_s=0.05, timeout_s=0.5, fail_threshold=1
+        backend_config("a"), backend_config("b"), interval_s=0.05, timeout_s=1.0, fail_threshold=1
     ) as health:
         loop = asyncio.get_running_loop()
         started = loop.time()
         health.start()
-        await until(lambda: health.registry.backends["a"].state is BackendState.DOWN, within=5)
+        await until(lambda: health.registry.backends["a"].state is BackendState.DOWN, within=10)
         took = loop.time() - started
-        assert 0.5 <= took < 0.5 + 0.05 + 0.5  # interval + the probe's deadline, plus scheduling slack
+        assert 1.0 <= took < 4.0  # interval + the probe's deadline, plus a loaded machine's slack
         assert cancelled.is_set()  # the hung request was cancelled, not left behind
-        assert b_route.call_count >= 4  # ~10 expected: b kept its own schedule meanwhile
+        assert b_route.call_count >= 4  # ~20 expected: b kept its own schedule meanwhile
         assert health.registry.backends["b"].state is BackendState.READY
-        assert health.registry.backends["a"].last_error == "health probe got no complete answer within 0.5s"
+        assert health.registry.backends["a"].last_error == "health probe got no complete answer within 1.0s"
 
 
 async def test_check_all_is_bounded_by_the_probe_deadline(mock: respx.MockRouter) -> None:
