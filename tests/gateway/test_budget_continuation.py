@@ -236,7 +236,7 @@ def test_a_silent_engine_ends_the_stitched_stream_with_an_error() -> None:
             started = time.monotonic()
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
             gate.set()
-    assert r.status_code == 200 and time.monotonic() - started < 3
+    assert r.status_code == 200 and time.monotonic() - started < 5  # read_s 0.3 and a loaded machine's slack
     assert (
         r.text.endswith("data: [DONE]\n\n") and "event: error" in r.text and "sent nothing for 0.3s" in r.text
     )
