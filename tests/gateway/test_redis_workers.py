@@ -127,8 +127,8 @@ def test_workers_share_affinity_and_a_killed_gateways_leases_expire(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         killed = time.monotonic()
-        until(lambda: shared_in_flight(redis_cfg, list(urls)) == 0, 5, "leases expired")
-        assert time.monotonic() - killed < redis_cfg.lease_ttl_s + 2
+        until(lambda: shared_in_flight(redis_cfg, list(urls)) == 0, 10, "leases expired")
+        assert time.monotonic() - killed < redis_cfg.lease_ttl_s + 5  # a loaded machine's slack
         for e in engines:
             e.stall_s = 0
 
