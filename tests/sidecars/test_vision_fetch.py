@@ -194,7 +194,7 @@ def test_a_slow_download_times_out(server: tuple[str, ImageServer]) -> None:
     started = time.monotonic()
     with pytest.raises(FetchTimeout, match=r"did not finish within 0\.5 s"):
         fetch(f"{url}/slow.png", allow_networks=["127.0.0.1/32"], fetch_timeout_s=0.5)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 5  # the whole download takes 12 s; 4.5 s allows a loaded machine
 
 
 def test_an_error_status_is_a_fetch_failure(server: tuple[str, ImageServer]) -> None:
