@@ -54,7 +54,7 @@ class Watcher:
                 await self.changed.wait()
 
 
-async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
+async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
     """For what no state change announces (a task's side effect): poll, with a deadline."""
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 - nothing to wait on

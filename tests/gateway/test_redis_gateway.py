@@ -97,7 +97,7 @@ def turn(conv: str, i: int) -> list[dict[str, str]]:
     return history
 
 
-def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not reached before the deadline"

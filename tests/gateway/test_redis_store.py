@@ -46,7 +46,7 @@ async def stores(redis_server: RedisServer, redis_prefix: str) -> AsyncIterator[
         await store.aclose()
 
 
-async def until(check: Callable[[], Any], within: float = 5.0) -> None:
+async def until(check: Callable[[], Any], within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while not await check():
         assert time.monotonic() < deadline, "condition not reached before the deadline"

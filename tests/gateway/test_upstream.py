@@ -70,7 +70,7 @@ def idle(pool: UpstreamPool, origin: str) -> int:
     return sum(not conn.closing for conn in pool._origins[origin].idle)
 
 
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
     """For state another thread or the kernel changes, where there is no event to wait on."""
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 - no event to wait on

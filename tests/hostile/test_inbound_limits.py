@@ -159,7 +159,7 @@ def _idle_sockets(port: int, n: int) -> Iterator[list[RawClient]]:
             s.close()
 
 
-def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not reached"
