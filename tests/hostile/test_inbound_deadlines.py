@@ -131,7 +131,7 @@ def _send_steadily(raw: RawClient, data: bytes, every_s: float, gaps: list[float
 
 
 def test_a_slow_but_steady_body_is_not_cut_off(hostile_gateway: HostileGatewayFactory) -> None:
-    """The body deadline is silence, not total time: 64 bytes 25 ms apart (1.6 s at least) pass a 1 s limit.
+    """The body deadline is silence, not total time: 63 bytes 25 ms apart (1.5 s at least) pass a 1 s limit.
     A 408 is right only after a silence of 1 s, so only a run whose longest gap stayed under half of that
     counts; a run the machine stalled for longer (it used to fail here, cut off mid-body) is run again."""
     c = hostile_gateway(limits={"body_read_timeout_s": 1.0})
@@ -149,7 +149,7 @@ def test_a_slow_but_steady_body_is_not_cut_off(hostile_gateway: HostileGatewayFa
     else:
         pytest.fail(f"the client was never steady: its longest gaps were {max(gaps):.2f} s and more")
     assert isinstance(r, RawResponse) and r.status == 200, (r, max(gaps))
-    assert sum(gaps) >= 1.6  # longer than the limit in all: only silence counts
+    assert sum(gaps) > 1.0  # longer than the limit in all: only silence counts
     assert c.engines["a"].requests[-1:] == [{"model": "m", "messages": [{"role": "user", "content": "hi"}]}]
 
 
