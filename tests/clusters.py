@@ -35,7 +35,7 @@ class Cluster:
     def in_flight(self) -> int:
         return self.gateway.registry.total_in_flight()
 
-    def wait_idle(self, timeout: float = 5.0) -> None:
+    def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until the gateway and every engine have let go of every request."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -51,7 +51,7 @@ class Cluster:
         """Close engine ``name``'s port and wait until connecting to it is refused."""
         self.engine_servers[name].should_exit = True
         url = self.gateway.registry.backends[name].cfg.url
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 httpx.get(url + "/health", timeout=0.5)

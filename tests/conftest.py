@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from config.settings import load_settings
 from gateway.app import create_app
@@ -19,7 +20,12 @@ from tools.redis_server import RedisServer, find_binary
 
 from clusters import Cluster, ClusterFactory, loop_of
 from needs import NEEDS_BY_FIXTURE
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
+
+# Hypothesis's one check of the machine's speed: data generation "too slow" fails a test on a loaded machine
+# while saying nothing about the code. Tests' own @settings keep their other choices (deadline=None each).
+settings.register_profile("warmroute", suppress_health_check=[HealthCheck.too_slow], deadline=None)
+settings.load_profile("warmroute")
 
 REQUIRE_REDIS_ENV = "WARMROUTE_REQUIRE_REDIS"
 #: The reason a whole module skips without the vision extra (tests/sidecars/vision_deps.py).
@@ -95,7 +101,7 @@ def cluster() -> Iterator[ClusterFactory]:
             }
             for f in fakes
         ]
-        overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+        overrides.setdefault("health", FAST_HEALTH)
         settings = load_settings(None, backends=backends, **overrides)
         app = create_app(settings, modules=modules, shapes=shapes)  # further modules or shapes a test adds
         url, server = stack.enter_context(serve(app))

@@ -24,6 +24,14 @@ from starlette.types import ASGIApp
 
 from config.settings import DEFAULT_CONSISTENCY_PROMPT
 
+#: The deadline of one health probe in tests. A test's engine (a fake in this process, a simulator process)
+#: answers /health at once, but on a loaded machine (load 11 on 2 cores) a 1 s deadline was missed and a
+#: healthy engine went down, which no test meant. A stopped engine refuses the connection and a sick one
+#: answers 503, so neither waits for this deadline; a test of a slow /health sets its own.
+PROBE_TIMEOUT_S = 10.0
+#: Health checking for gateways in front of fake engines: a stopped or sick one is down within one interval.
+FAST_HEALTH: dict[str, float] = {"interval_s": 0.2, "timeout_s": PROBE_TIMEOUT_S, "fail_threshold": 1}
+
 
 @contextlib.contextmanager
 def serve(app: ASGIApp, port: int = 0) -> Iterator[tuple[str, uvicorn.Server]]:

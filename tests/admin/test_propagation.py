@@ -14,7 +14,7 @@ from tools.procs import child, free_port, ok, python, wait_http
 from tools.redis_server import RedisServer
 
 from admin_helpers import chat, until_announced
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "replica-admin-token"
@@ -56,7 +56,7 @@ def test_a_change_on_one_replica_reaches_the_other(
                 {
                     "server": {"log_level": "warning"},
                     "backends": [{"id": n, "url": urls[n], "models": ["m"]} for n in ("a", "b")],
-                    "health": {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+                    "health": FAST_HEALTH,
                     "routing": {"policy": "affinity"},  # pins shared through Redis are the subject
                     "redis": {"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0},
                     "admin": {"token": TOKEN, "sync_interval_s": 0.1},

@@ -176,7 +176,7 @@ async def test_a_stalled_engine_fails_its_check_at_the_deadline(
     check = Check("consistency", messages=({"role": "user", "content": "x"},), timeout_s=0.05)
     started = time.monotonic()
     result = await run(client, check)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 10  # the engine answers after 30 s; 10 allows a loaded machine
     assert (result.passed, result.answered_text) == (False, None)
     assert result.reason == "check 'consistency' got no answer within 0.05 s"
 
@@ -358,5 +358,5 @@ async def test_simulators_normal_passes_repeating_fails_stalled_times_out(
     started = time.monotonic()
     cfg = CanaryConfig(timeout_s=0.3)
     timed_out = await Canary.for_backend(client, backend.model_copy(update={"url": stalled}), cfg).run()
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10  # the simulator answers after 30 s; 10 allows a loaded machine
     assert (timed_out.passed, timed_out.reason) == (False, "check 'consistency' got no answer within 0.3 s")

@@ -30,10 +30,11 @@ from routing.types import BackendState
 from tools import procs
 
 from clusters import served_gateway
+from upstreams import PROBE_TIMEOUT_S
 
 pytestmark = pytest.mark.anyio
 S = BackendState
-FAST_HEALTH = {"interval_s": 0.05, "timeout_s": 1.0, "fail_threshold": 2}
+FAST_HEALTH = {"interval_s": 0.05, "timeout_s": PROBE_TIMEOUT_S, "fail_threshold": 2}
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
 
 

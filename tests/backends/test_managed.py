@@ -31,6 +31,8 @@ from config.settings import (
 from routing.types import BackendState
 from tools import procs
 
+from upstreams import PROBE_TIMEOUT_S
+
 pytestmark = pytest.mark.anyio
 S = BackendState
 WITHIN_S = SIM_START_TIMEOUT_S
@@ -54,7 +56,7 @@ class Watcher:
                 await self.changed.wait()
 
 
-async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
+async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
     """For what no state change announces (a task's side effect): poll, with a deadline."""
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 - nothing to wait on
@@ -62,8 +64,9 @@ async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None
 
 
 async def probe_forever(ctl: BackendController, url: str, interval_s: float = 0.05) -> None:
-    """What the health checker will do once wired: GET /health, send the outcome."""
-    async with httpx.AsyncClient(timeout=1.0) as client:
+    """What the health checker will do once wired: GET /health, send the outcome. A killed simulator refuses
+    at once; a live one gets PROBE_TIMEOUT_S (1 s is within reach of a loaded machine)."""
+    async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as client:
         while True:
             try:
                 ok = (await client.get(url + "/health")).status_code == 200

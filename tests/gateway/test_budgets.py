@@ -13,7 +13,7 @@ import pytest
 from config.settings import load_settings
 from gateway.app import create_app
 
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 MSGS = [{"role": "user", "content": "hi"}]
 MODELS = {"m": {"max_budget": 1000, "effort_budgets": {"none": 0, "low": 100, "high": 900}}}
@@ -32,7 +32,7 @@ def gateway() -> Iterator[Callable[..., Gw]]:
         for name, dialect in dialects.items():
             url, _ = stack.enter_context(serve(fakes[name].app()))
             backends.append({"id": name, "url": url, "models": ["m"], "dialect": dialect})
-        overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+        overrides.setdefault("health", FAST_HEALTH)
         overrides.setdefault("models", MODELS)
         app = create_app(load_settings(None, backends=backends, **overrides))
         url, _ = stack.enter_context(serve(app))

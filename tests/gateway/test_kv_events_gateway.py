@@ -17,7 +17,7 @@ from config.settings import load_settings
 from gateway.app import Gateway, create_app
 from gateway.metrics import KvEventsMetrics
 
-from upstreams import serve
+from upstreams import PROBE_TIMEOUT_S, serve
 
 BLOCK = 16
 WITHIN_S = 10.0
@@ -68,7 +68,7 @@ def stack() -> Iterator[Stack]:
         ]
         settings = load_settings(
             None, backends=backends, routing={"policy": "ttft"}, canary={"enabled": False},
-            health={"interval_s": 0.2, "timeout_s": 1},
+            health={"interval_s": 0.2, "timeout_s": PROBE_TIMEOUT_S},
         )  # fmt: skip
         app = create_app(settings)
         gw: Gateway = app.state.gateway

@@ -25,7 +25,7 @@ from gateway.waiting import EarlyHeadSend
 from routing.keys import messages_key
 
 from clusters import ClusterFactory
-from upstreams import serve
+from upstreams import FAST_HEALTH, serve
 
 MSG = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -83,7 +83,7 @@ def gateway(
     with contextlib.ExitStack() as stack:
         urls = {e.name: stack.enter_context(serve(e.app()))[0] for e in engines}
         backends = [{"id": e.name, "url": urls[e.name], "models": ["m"], **backend} for e in engines]
-        overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1})
+        overrides.setdefault("health", FAST_HEALTH)
         overrides.setdefault("canary", {"enabled": False})
         app = create_app(load_settings(None, backends=backends, **overrides))
         url, _server = stack.enter_context(serve(app))

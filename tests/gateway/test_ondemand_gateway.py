@@ -26,11 +26,12 @@ from routing.types import BackendState
 from tools import procs
 
 from clusters import served_gateway
+from upstreams import PROBE_TIMEOUT_S
 
 pytestmark = pytest.mark.anyio
 S = BackendState
 WITHIN = 60.0  # a Python process importing Starlette on a busy 2-core machine, plus its canary
-FAST_HEALTH = {"interval_s": 0.05, "timeout_s": 1.0, "fail_threshold": 2}
+FAST_HEALTH = {"interval_s": 0.05, "timeout_s": PROBE_TIMEOUT_S, "fail_threshold": 2}
 
 
 def chat(model: str, *, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:

@@ -28,10 +28,9 @@ from gateway.redis_scripts import QUOTA_ADMIT, QUOTA_FINISH
 from gateway.redis_store import RedisAffinityStore, redis_pool
 from tools.redis_server import CountingConnection, RedisServer
 
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 KEYS = [{"name": "alice", "key": "k-alice"}, {"name": "bob", "key": "k-bob"}]
-FAST_HEALTH = {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1}
 QUIET = {"heartbeat_s": 60, "lease_ttl_s": 120}  # no heartbeat while round trips are counted
 HOUR = 3600
 QUOTA_SCRIPTS = (QUOTA_ADMIT, QUOTA_FINISH)

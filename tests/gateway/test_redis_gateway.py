@@ -20,10 +20,9 @@ from gateway.redis_store import RedisAffinityStore, redis_pool
 from routing.keys import chat_key
 from tools.redis_server import CountingConnection, RedisServer
 
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 SYS = {"role": "system", "content": "You are a coding agent."}
-FAST_HEALTH = {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1}
 
 
 @dataclass
@@ -98,7 +97,7 @@ def turn(conv: str, i: int) -> list[dict[str, str]]:
     return history
 
 
-def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not reached before the deadline"

@@ -46,7 +46,7 @@ async def stores(redis_server: RedisServer, redis_prefix: str) -> AsyncIterator[
         await store.aclose()
 
 
-async def until(check: Callable[[], Any], within: float = 5.0) -> None:
+async def until(check: Callable[[], Any], within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while not await check():
         assert time.monotonic() < deadline, "condition not reached before the deadline"
@@ -105,24 +105,26 @@ async def test_pinned_counts_follow_expiring_pins(stores: StoreFactory) -> None:
 
 
 async def test_in_flight_is_shared_and_a_silent_replicas_leases_expire(stores: StoreFactory) -> None:
-    lease = {"lease_ttl_s": 1.0, "heartbeat_s": 0.2}
+    # A 2 s lease beats every 0.2 s: a loaded machine may stall this process for 1.8 s before the live
+    # replica's lease lapses (with 1 s, a 0.8 s stall failed the check after the sleep below).
+    lease = {"lease_ttl_s": 2.0, "heartbeat_s": 0.2}
     alive, silent, reader = stores(**lease), stores(**lease), stores(**lease)
     await alive.start()  # heartbeats
     for _ in range(3):
         alive.started("x")
     silent.started("y")  # never started: publishes once with the view below, then goes quiet
     silent.started("y")
+    began = time.monotonic()  # before its one publish: its lease cannot lapse sooner than 2 s after this
     await silent.view(None)
     await alive.view(None)
     assert (await reader.view(None)).in_flight == {"x": 3, "y": 2}
-    began = time.monotonic()
 
     async def silent_expired() -> bool:
         return (await reader.view(None)).in_flight == {"x": 3, "y": 0}
 
-    await until(silent_expired)
-    assert time.monotonic() - began > 0.5  # it expired by its lease, not at once
-    await asyncio.sleep(1.2)  # longer than a lease: the heartbeating replica still counts
+    await until(silent_expired, within=10)
+    assert time.monotonic() - began > 1.0  # it expired by its lease, not at once
+    await asyncio.sleep(2.2)  # longer than a lease: the heartbeating replica still counts
     assert (await reader.view(None)).in_flight == {"x": 3, "y": 0}
     alive.finished("x")
     await alive.aclose()  # a clean exit withdraws the counts at once
@@ -161,10 +163,10 @@ async def test_a_stalled_redis_costs_one_timeout_then_recovers(
     store = stores(url=private_redis.url, timeout_s=0.1, reconnect_min_s=0.05, reconnect_max_s=0.1)
     await store.start()
     await store.commit("k", decide("x"))
-    private_redis.client().client_pause(1500, all=True)  # every command blocks for 1.5 s
+    private_redis.client().client_pause(3000, all=True)  # every command blocks for 3 s
     began = time.monotonic()
     view = await store.view("k")
-    assert time.monotonic() - began < 1.0  # gave up after its timeout, did not wait for Redis
+    assert time.monotonic() - began < 2.0  # gave up after its 0.1 s timeout, did not wait for Redis
     assert view.pinned == "x"  # from the local mirror
     assert store.status()["degraded"] is True
     assert await store.commit("new", decide("y")) == "y"

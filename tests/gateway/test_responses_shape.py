@@ -30,9 +30,8 @@ from tools.redis_server import RedisServer
 
 from clusters import Cluster, ClusterFactory
 from responses_fakes import ResponsesEngine
-from upstreams import serve
+from upstreams import FAST_HEALTH, serve
 
-FAST_HEALTH = {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1}
 HEAD = {"model": "m", "instructions": "You are Codex.", "tools": [{"type": "function", "name": "sh"}]}
 
 

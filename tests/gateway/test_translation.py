@@ -34,7 +34,7 @@ from gateway.translate import responses as responses_translate
 from routing.load import tie_break
 
 from clusters import Cluster, loop_of
-from upstreams import FakeEngine, _is_canary, serve
+from upstreams import PROBE_TIMEOUT_S, FakeEngine, _is_canary, serve
 
 # -- minimal client shapes --------------------------------------------------------------------------------
 
@@ -196,7 +196,9 @@ def gateway() -> Iterator[Any]:
         for fake, extra in [(engine, {"dialect": dialect, **fields}), *more]:
             url, servers[fake.name] = stack.enter_context(serve(fake.app()))
             backends.append({"id": fake.name, "url": url, "models": list(fake.models), **extra})
-        settings = load_settings(None, backends=backends, health={"interval_s": 0.2, "timeout_s": 1})
+        settings = load_settings(
+            None, backends=backends, health={"interval_s": 0.2, "timeout_s": PROBE_TIMEOUT_S}
+        )
         app = create_app(settings, shapes=shapes)
         gw_url, gw_server = stack.enter_context(serve(app))
         engines = {engine.name: engine, **{fake.name: fake for fake, _ in more}}

@@ -70,7 +70,7 @@ def idle(pool: UpstreamPool, origin: str) -> int:
     return sum(not conn.closing for conn in pool._origins[origin].idle)
 
 
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
     """For state another thread or the kernel changes, where there is no event to wait on."""
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 - no event to wait on
@@ -699,7 +699,7 @@ async def test_pool_timeout_names_the_busy_origin(anyio_backend: Any) -> None:
             await pool.request("GET", srv.origin, "/", [], b"")
         waited = asyncio.get_running_loop().time() - started
         assert str(caught.value) == f"all 1 connections to {srv.origin} busy for 0.2 s"
-        assert 0.19 <= waited < 2.0  # uvloop's timers have 1 ms resolution
+        assert 0.19 <= waited < 5.0  # uvloop's timers have 1 ms resolution; 5 s allows a loaded machine
         assert len(srv.requests) == 1  # the timed-out request never reached the server
         assert await read_all(held) == b"ok"
         assert await read_all(await pool.request("GET", srv.origin, "/", [], b"")) == b"ok"  # no permit lost

@@ -21,7 +21,7 @@ from vision_fakes import EMBEDS_6X8, GRID_1X3, GRID_3, FakeSidecar
 from config.settings import ConfigError, VisionMode, load_settings
 from gateway.app import Gateway, create_app
 
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 CAT = "data:image/png;base64,Y2F0"
 DOG = "https://images.example/dog.png"
@@ -72,7 +72,7 @@ def box() -> Iterator[Make]:
             None,
             backends=backends,
             sidecar={"url": sidecar_url, **sidecar_cfg},
-            health=health or {"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+            health=health or FAST_HEALTH,
             routing=routing or {},
         )
         app = create_app(settings)

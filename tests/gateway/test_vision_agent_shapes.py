@@ -23,7 +23,7 @@ from vision_fakes import EMBEDS_6X8, GRID_3, FakeSidecar
 from config.settings import load_settings
 from gateway.app import create_app
 
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 PNG_B64 = "iVBORw0KGgo="
 CAT = f"data:image/png;base64,{PNG_B64}"
@@ -70,7 +70,7 @@ def box() -> Iterator[Make]:
             None,
             backends=backends,
             sidecar={"url": sidecar_url},
-            health={"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+            health=FAST_HEALTH,
             canary={"enabled": False},
         )
         url, _ = stack.enter_context(serve(create_app(settings)))

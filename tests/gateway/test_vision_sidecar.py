@@ -21,7 +21,7 @@ from config.settings import load_settings
 from gateway.app import Gateway, create_app
 from tools import procs
 
-from upstreams import FakeEngine, serve
+from upstreams import PROBE_TIMEOUT_S, FakeEngine, serve
 
 FAKE_SIDECAR = Path(__file__).with_name("vision_fakes.py")
 START_S = 45.0  # a Python process importing Starlette on a busy 2-core machine
@@ -60,7 +60,7 @@ def test_the_gateway_starts_restarts_and_stops_its_managed_sidecar() -> None:
                     "restart": restart,
                 },
             },
-            health={"interval_s": 0.1, "timeout_s": 1, "fail_threshold": 1},
+            health={"interval_s": 0.1, "timeout_s": PROBE_TIMEOUT_S, "fail_threshold": 1},
         )
         app = create_app(settings)
         gw: Gateway = app.state.gateway

@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from hostile_engine import RESET, Conn, HostileEngine, RawRequest, Script, ok_json, response, steps
-
-from conftest import HostileGateway, HostileGatewayFactory, lines
+from hostile_gateway import HostileGateway, HostileGatewayFactory, lines
 
 POISON = "poison-pill"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}

@@ -25,12 +25,11 @@ from hostile_engine import (
     steps,
     stray_on_reuse,
 )
+from hostile_gateway import HostileGateway, HostileGatewayFactory, assert_one_line, lines
 from hostile_net import RawClient
 
 from gateway.outcomes import AttemptOutcome
 from gateway.upstream import UpstreamPool, UpstreamResponse
-
-from conftest import HostileGateway, HostileGatewayFactory, assert_one_line, lines
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 RR = {"policy": "round_robin"}  # deterministic: the first request goes to "a" (sorted ids)

@@ -11,10 +11,9 @@ import threading
 import httpx
 import pytest
 from hostile_engine import HANG, Conn, HostileEngine, RawRequest, Script, response, steps
+from hostile_gateway import HostileGatewayFactory, assert_one_line
 
 from gateway.context import canonical_json
-
-from conftest import HostileGatewayFactory, assert_one_line
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 import h11
 import pytest
 from hostile_engine import HostileEngine, ok_json, response, steps
+from hostile_gateway import HostileGateway, HostileGatewayFactory, lines, start_gateway
 from hostile_net import PeerClosed, RawClient
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from conftest import HostileGateway, HostileGatewayFactory, lines, start_gateway
 
 BODY = b'{"model": "m", "n": 1}'
 SMUGGLED = b"POST /admin/backends HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"

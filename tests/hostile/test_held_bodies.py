@@ -7,11 +7,10 @@ import json
 import time
 
 import pytest
+from hostile_gateway import HostileGatewayFactory, assert_one_line
 from hostile_net import RawClient
 
 from gateway.inbound import BodyBudget
-
-from conftest import HostileGatewayFactory, assert_one_line
 
 BUDGET = 4096
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"

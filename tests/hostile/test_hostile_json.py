@@ -9,8 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from hostile_engine import HostileEngine, ok_json
-
-from conftest import HostileGateway, HostileGatewayFactory, assert_one_line
+from hostile_gateway import HostileGateway, HostileGatewayFactory, assert_one_line
 
 CHAT = "/v1/chat/completions"
 

@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from hostile_gateway import HostileGatewayFactory, assert_one_line
 from hostile_net import RawClient, get, post
 
 from gateway.server_protocol import HEALTHZ_RESERVE
-
-from conftest import HostileGatewayFactory, assert_one_line
 
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
 CHAT_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
@@ -144,7 +143,9 @@ def test_a_64_mib_header_is_431_at_once_and_the_loop_keeps_answering(
         sender.join(5)
     assert (r.status, r.error_code()) == (431, "request_header_too_large")
     print(len(latencies), time.monotonic() - started, latencies[:5])
-    assert latencies and max(latencies) < 0.15, latencies
+    # Before the limit a 64 MiB header froze the loop for 4.7 s; 1 s allows a loaded machine's stalls (a
+    # 0.15 s bound here was one busy scheduler slice from failing).
+    assert latencies and max(latencies) < 1.0, latencies
     assert_one_line(gateway_log, "431 request_header_too_large")
 
 
@@ -158,7 +159,7 @@ def _idle_sockets(port: int, n: int) -> Iterator[list[RawClient]]:
             s.close()
 
 
-def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not reached"

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from hostile_gateway import HostileGateway, assert_one_line, lines, start_gateway
 from messages_engine import AnthropicEngine
-
-from conftest import HostileGateway, assert_one_line, lines, start_gateway
 
 MSG = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"

@@ -8,9 +8,8 @@ import json
 
 import httpx
 import pytest
+from hostile_gateway import HostileGateway, HostileGatewayFactory
 from hostile_net import RawClient
-
-from conftest import HostileGateway, HostileGatewayFactory
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from hostile_gateway import HostileGateway, HostileGatewayFactory, assert_one_line, lines
 
-from conftest import HostileGateway, HostileGatewayFactory, assert_one_line, lines
 from responses_fakes import ResponsesEngine
 
 PATH = "/v1/responses"

@@ -8,9 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hostile_gateway import HostileGateway, assert_one_line, lines
 from hostile_net import RawClient
-
-from conftest import HostileGateway, assert_one_line, lines
 
 CHAT = "/v1/chat/completions"
 BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

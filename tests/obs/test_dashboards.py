@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
 
-from upstreams import FakeEngine, serve
+from upstreams import FAST_HEALTH, FakeEngine, serve
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 DASHBOARDS = sorted((CONFIG / "grafana" / "dashboards").glob("*.json"))
@@ -128,7 +128,7 @@ def gateway_with_on_demand() -> Iterator[tuple[str, Gateway]]:
             backends=backends,
             groups={"gpu0": {}},
             routing={"policy": "round_robin"},
-            health={"interval_s": 0.2, "timeout_s": 1, "fail_threshold": 1},
+            health=FAST_HEALTH,
         )
         app = create_app(settings)
         url, _ = stack.enter_context(serve(app))

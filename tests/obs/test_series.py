@@ -34,7 +34,7 @@ from tools.procs import free_port
 from tools.redis_server import RedisServer
 
 from clusters import ClusterFactory
-from upstreams import FakeEngine, serve
+from upstreams import PROBE_TIMEOUT_S, FakeEngine, serve
 
 
 def chat(url: str, content: str = "hello", **extra: Any) -> httpx.Response:
@@ -285,7 +285,9 @@ def test_a_managed_engine_that_keeps_exiting_counts_restarts_and_the_give_up() -
     }
     url = f"http://127.0.0.1:{free_port()}"
     backend = {"id": "m", "url": url, "models": ["m"], "managed": failing}
-    settings = load_settings(None, backends=[backend], health={"interval_s": 0.2, "timeout_s": 1})
+    settings = load_settings(
+        None, backends=[backend], health={"interval_s": 0.2, "timeout_s": PROBE_TIMEOUT_S}
+    )
     app = create_app(settings)
     with serve(app) as (gateway_url, _server):
         gw = app.state.gateway

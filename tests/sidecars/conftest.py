@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import inspect
-import io
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -57,17 +56,6 @@ def encoder(tiny_checkpoint: Path) -> Any:
     from sidecars.vision.settings import VisionSettings
 
     return Encoder(VisionSettings(checkpoint=tiny_checkpoint))
-
-
-def png_bytes(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    channels = {"RGB": 3, "RGBA": 4}[mode]
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels, mode).save(out, "PNG")
-    return out.getvalue()
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ class ImageServer:
             async def trickle() -> AsyncIterator[bytes]:
                 yield self.png[:16]
                 for byte in self.png[16:40]:
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.5)  # 12 s in all: far past any fetch deadline a test sets
                     yield bytes([byte])
 
             return StreamingResponse(trickle(), media_type="image/png")

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.needs("vision")
 import anthropic  # noqa: E402
 import openai  # noqa: E402
 from test_vision_app import wait_ready  # noqa: E402
+from vision_images import png_bytes  # noqa: E402
 
 from config.settings import load_settings  # noqa: E402
 from gateway.app import create_app  # noqa: E402
@@ -30,7 +31,6 @@ from sidecars.vision.app import create_app as sidecar_app  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
 from tools import procs  # noqa: E402
 
-from conftest import png_bytes  # noqa: E402
 from upstreams import serve  # noqa: E402
 
 START_S = 60.0  # a Python process importing Starlette on a busy 2-core machine

@@ -25,11 +25,11 @@ pytestmark = pytest.mark.needs("vision")
 
 import torch  # noqa: E402
 from image_server import ImageServer  # noqa: E402
+from vision_images import png_bytes  # noqa: E402
 
 from sidecars.vision.app import create_app  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
 
-from conftest import png_bytes  # noqa: E402
 from upstreams import serve  # noqa: E402
 
 

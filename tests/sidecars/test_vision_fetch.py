@@ -17,6 +17,7 @@ require_vision()
 pytestmark = pytest.mark.needs("vision")
 
 from image_server import ImageServer  # noqa: E402
+from vision_images import png_bytes  # noqa: E402
 
 from sidecars.vision import addresses  # noqa: E402
 from sidecars.vision.errors import (  # noqa: E402
@@ -30,7 +31,6 @@ from sidecars.vision.errors import (  # noqa: E402
 from sidecars.vision.fetch import ImageFetcher, Resolver  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
 
-from conftest import png_bytes  # noqa: E402
 from upstreams import serve  # noqa: E402
 
 PNG = png_bytes(32, 32)
@@ -194,7 +194,7 @@ def test_a_slow_download_times_out(server: tuple[str, ImageServer]) -> None:
     started = time.monotonic()
     with pytest.raises(FetchTimeout, match=r"did not finish within 0\.5 s"):
         fetch(f"{url}/slow.png", allow_networks=["127.0.0.1/32"], fetch_timeout_s=0.5)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 5  # the whole download takes 12 s; 4.5 s allows a loaded machine
 
 
 def test_an_error_status_is_a_fetch_failure(server: tuple[str, ImageServer]) -> None:

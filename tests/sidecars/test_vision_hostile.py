@@ -21,13 +21,13 @@ require_vision()
 pytestmark = pytest.mark.needs("vision")
 
 from image_server import ImageServer  # noqa: E402
+from vision_images import png_bytes  # noqa: E402
 
 from sidecars.vision.app import create_app  # noqa: E402
 from sidecars.vision.errors import BadImage  # noqa: E402
 from sidecars.vision.fetch import Resolver, system_resolver  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
 
-from conftest import png_bytes  # noqa: E402
 from upstreams import serve  # noqa: E402
 
 PNG = png_bytes(8, 8)

@@ -18,13 +18,12 @@ pytestmark = pytest.mark.needs("vision")
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from vision_images import png_bytes  # noqa: E402
 
 from sidecars.vision import loader  # noqa: E402
 from sidecars.vision.encoder import Encoder  # noqa: E402
 from sidecars.vision.errors import CheckpointError  # noqa: E402
 from sidecars.vision.settings import VisionSettings  # noqa: E402
-
-from conftest import png_bytes  # noqa: E402
 
 
 def decoded(payload: bytes) -> torch.Tensor:

@@ -36,7 +36,7 @@ def oai(live_sim: SimServer) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def wait_for(predicate: Any, timeout: float = 3.0) -> None:
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
