@@ -8,9 +8,9 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
                                            term; elsewhere plus the re-prefill its arrival causes where the
                                            KV cache is full) is lower elsewhere by the margin
                                            (affinity_hit: touch the pin, or claim the hint)
-  - home no busier than there in the long run (load term, within the margin): its queue drains and it
-    keeps the history: a one-off spill, the pin stays, if it still wins after paying the re-read of
-    this turn's tail at home on the next turn (the spilled turn is not cached there)  (spill_overload)
+  - home no busier than there in the long run (load term): its queue drains and it keeps the history:
+    a one-off spill, the pin stays, if it still wins after paying the re-read of this turn's tail at
+    home on the next turn (the spilled turn is not cached there)        (spill_overload)
     (unless its KV cache events say it evicted the history: then the pin moves, and without the margin)
   - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
     spilling every turn would pay it every turn                          (move_cheaper)
@@ -99,9 +99,7 @@ class TtftPolicy:
         margin = _MIN_MARGIN_S if lost else max(_MIN_MARGIN_S, self.stay_margin * stay_now)
         if there_now + margin >= stay_now:
             return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
-        # Busier for good means by more than the margin: a conversation more or less at home is how a
-        # closed loop's counts wobble (twins moved to a head holder on it, for a queue that drained).
-        if stay.load_s <= there.load_s + margin and not lost:
+        if stay.load_s <= there.load_s and not lost:
             # Home is no busier in the long run: its queue drains, and it still holds the history. A spill
             # leaves this turn out of home's cache, so the next turn there reads this tail again: the
             # spill pays it too. (Without it, twins spilled to a head holder for the few hundred tokens
