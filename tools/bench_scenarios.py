@@ -5,6 +5,8 @@ variant (a policy, optionally given the engines' true speeds as weights (``+weig
 the engines' KV cache events (``+kv``: ``--kv-events`` adds ``ttft+kv`` to every scenario); ``oracle``
 sends conversation i straight to engine i mod K) for a few rounds, order rotating, caches reset between
 runs. Numbers are medians over rounds; ratios compare variants of the same round set on the same machine.
+``policy@key=value;…`` adds routing settings; ``policy%NAME`` runs the gateway from the checkout given as
+``--tree NAME=PATH``, so two versions of the routing code are compared within one run.
 
 - ``identical-GxN``: G groups of N conversations sharing system prompt *and* first user message (N = 4, 8,
   16, 32); each later turn adds ~600 tokens, ~3000 in the ``-long`` twins.
@@ -32,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -52,6 +55,7 @@ EVENT_AT_S = float(os.environ.get("WARMROUTE_BENCH_EVENT_AT_S", "8"))  # the joi
 ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
 VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
 KV_EVENTS: list[bool] = [False]  # ``--kv-events``: every scenario also runs ``ttft+kv``
+TREES: dict[str, Path] = {}  # ``--tree NAME=PATH``: ``policy%NAME`` runs that checkout's gateway
 gateways_started: list[str] = []
 
 
@@ -126,8 +130,20 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def _extras(variant: str) -> set[str]:
-    """``weights`` and/or ``kv`` of ``policy+weights+kv@settings``."""
-    return set(variant.partition("@")[0].split("+")[1:])
+    """``weights`` and/or ``kv`` of ``policy+weights+kv@settings%tree``."""
+    return set(variant.partition("%")[0].partition("@")[0].split("+")[1:])
+
+
+def parse_variant(variant: str) -> tuple[str, set[str], dict[str, Any], Path | None]:
+    """``policy[+weights][+kv][@key=value;key=value][%tree]``: the policy, its extras, the extra routing
+    settings, and the checkout (``--tree``) whose gateway runs it (None: this one). Settings and trees make
+    variants of one policy, so two versions of the routing code are compared within one run."""
+    rest, _, tree = variant.partition("%")
+    name, _, settings = rest.partition("@")
+    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
+    if tree and tree not in TREES:
+        raise SystemExit(f"warmroute bench: variant {variant!r} names tree {tree!r}; give --tree {tree}=PATH")
+    return name.partition("+")[0], _extras(variant), overrides, TREES[tree] if tree else None
 
 
 def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[Engine]:
@@ -168,6 +184,7 @@ def start_gateway(
     name: str,
     overrides: dict[str, Any] | None = None,
     kv_events: bool = False,
+    source: Path | None = None,
 ) -> Child:
     port = free_port()
     backends = [
@@ -187,7 +204,8 @@ def start_gateway(
     }
     path = launch.workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))
-    child = launch._spawn(name, port, launch_python("-m", "gateway.cli", "serve", "--config", str(path)))
+    argv = launch_python("-m", "gateway.cli", "serve", "--config", str(path))
+    child = launch._spawn(name, port, argv, source)
     launch._wait(child, "/readyz", lambda r: r.status_code in (200, 503))
     return child
 
@@ -225,10 +243,7 @@ async def run_variant(
     round_: int,
     time_scale: float,
 ) -> dict[str, Any]:
-    # "policy[+weights][+kv][@key=value;key=value]": the extra routing settings make variants of one policy.
-    name, _, settings = variant.partition("@")
-    policy, extras = name.partition("+")[0], _extras(variant)
-    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
+    policy, extras, overrides, source = parse_variant(variant)
     for e in engines:
         await client.delete(f"{e.url}/sim/faults")
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
@@ -245,6 +260,7 @@ async def run_variant(
             f"gw-{round_}-{len(gateways_started)}",
             overrides,
             kv_events="kv" in extras,
+            source=source,
         )
         gateways_started.append(variant)
         await _until_state(client, gateway, engines[-1].id, {"ready"})
