@@ -51,7 +51,7 @@ from gateway.relay import (
     sse_error,
     upstream_headers,
 )
-from gateway.sse import MAX_EVENT_BYTES, EventSplitter, Piece, Unended, Whole
+from gateway.sse import MAX_EVENT_BYTES, EventSplitter, Piece, Pieces, Unended, Whole, as_list
 from gateway.transport import TransportResponse, UpstreamReadError, UpstreamTransport, UpstreamTransportError
 
 log = logging.getLogger("warmroute.proxy")
@@ -370,7 +370,7 @@ class _Tap(BodyFilterBase):
     def __init__(self, tap: ResponseTap) -> None:
         self.tap = tap
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         self.tap.take(pieces)
         return pieces
 
@@ -380,7 +380,7 @@ class _Tap(BodyFilterBase):
         return data
 
 
-def _through(filters: tuple[BodyFilter, ...], pieces: list[Piece]) -> list[Piece]:
+def _through(filters: tuple[BodyFilter, ...], pieces: Pieces) -> Pieces:
     for f in filters:
         if not pieces:
             break
@@ -393,9 +393,9 @@ def _ended(filters: tuple[BodyFilter, ...]) -> list[Piece]:
     out: list[Piece] = []
     for f in filters:
         if out:
-            out = f.events(out)
+            out = as_list(f.events(out))
         if f.own_end:
-            out += f.end()
+            out = out + f.end()  # never ``+=``: ``out`` may be a filter's own list
     return out
 
 
