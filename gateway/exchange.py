@@ -228,9 +228,9 @@ class Relay:
             _, head = response_head(response, backend, ctx.reason)
             head = self._unsized(head, backend)
         await _send_head(ctx, send, head, watch)
-        watch.sending = True  # its size is no longer the engine's: sent unsized, the server frames it
-        await send(body(b"".join(kept) + tail, more=True))
-        return b""
+        # Its size is no longer the engine's: sent unsized, the server frames it. It goes as the answer's
+        # last message (one write, the chunk and the end together).
+        return kept[0] + tail if len(kept) == 1 else b"".join(kept) + tail
 
     async def _body(
         self,
