@@ -34,10 +34,8 @@ from gateway.throttle import LogThrottle
 
 def header(scope: Scope, name: bytes) -> bytes | None:
     """First value of a (lower-case) request header."""
-    for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v)
-    return None
+    value = dict(reversed(scope["headers"])).get(name)  # one C pass, each name's first value kept
+    return None if value is None else bytes(value)
 
 
 class BodyBudget:

@@ -140,14 +140,18 @@ def upstream_headers(
 ) -> list[tuple[bytes, bytes]]:
     """What the engine gets: our framing, the client's accept and request id, and the right credentials
     (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway)."""
-    accept = request_id = auth = None
-    for name, value in client:
-        if name == b"accept":
-            accept = accept or value
-        elif name == b"x-request-id":
-            request_id = request_id or value
-        elif name == b"authorization" and forward_auth:
-            auth = auth or value
+    first = dict(reversed(client))  # each header's first value, in one C pass
+    accept, request_id = first.get(b"accept"), first.get(b"x-request-id")
+    auth = first.get(b"authorization") if forward_auth else None
+    if accept == b"" or request_id == b"" or auth == b"":  # sent empty first: the first one not empty
+        accept = request_id = auth = None
+        for name, value in client:
+            if name == b"accept":
+                accept = accept or value
+            elif name == b"x-request-id":
+                request_id = request_id or value
+            elif name == b"authorization" and forward_auth:
+                auth = auth or value
     headers = [
         (b"content-type", b"application/json"),
         (b"accept", accept or b"*/*"),
