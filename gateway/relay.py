@@ -31,16 +31,30 @@ _RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
 _RELAYED_PREFIX = (b"x-ratelimit-", b"anthropic-ratelimit-")
 
 
-def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> tuple[bool, Message]:
-    """(is it an SSE stream, the ``http.response.start`` message for the client)."""
+def streamed(upstream: TransportResponse) -> bool:
+    """Whether the engine answered an SSE stream."""
+    return (upstream.header(b"content-type") or b"").startswith(SSE)
+
+
+def response_head(
+    upstream: TransportResponse, backend: str, reason: Reason, hold_limit: int | None = None
+) -> tuple[bool, Message]:
+    """(is it an SSE stream, the ``http.response.start`` message for the client). ``hold_limit``: the body is
+    held whole (at most that many bytes) and may be rewritten, so its head goes without the engine's
+    content-length, and a body the engine says is larger is refused here (``UpstreamReplyTooLarge``)."""
     content_type = upstream.header(b"content-type") or b"application/json"
     sse = content_type.startswith(SSE)
     headers = [(b"content-type", content_type)]
     if sse:
         headers.append((b"cache-control", b"no-cache"))
     for name, value in upstream.headers:
-        if name in _RELAYED or name.startswith(_RELAYED_PREFIX) or (name == b"content-length" and not sse):
+        if name in _RELAYED or name.startswith(_RELAYED_PREFIX):
             headers.append((name, value))
+        elif name == b"content-length" and not sse:
+            if hold_limit is None:
+                headers.append((name, value))
+            elif value.isdigit() and int(value) > hold_limit:
+                raise reply_too_large(backend, hold_limit)
     headers.append((b"x-warmroute-backend", backend.encode()))
     headers.append((b"x-warmroute-route", reason.value.encode()))
     return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
