@@ -61,8 +61,9 @@ class BudgetPolicy:
         self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], model: str | None
     ) -> Thinking | None:
         """The request's thinking budget, ``None`` if it asks for nothing, or ``BadRequest``."""
-        budget = _budget(body, _header(headers, self.budget_header), self.cfg.budget_header)
-        effort = _effort(body, _header(headers, self.effort_header), self.cfg.effort_header)
+        first = dict(reversed(headers))  # each header's first value, in one pass (not one scan per header)
+        budget = _budget(body, _text(first.get(self.budget_header)), self.cfg.budget_header)
+        effort = _effort(body, _text(first.get(self.effort_header)), self.cfg.effort_header)
         _check_agreement(budget, effort)
         if budget is not None:
             _check_room(body, budget)
@@ -273,6 +274,10 @@ def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1").strip()
     return None
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1").strip()
 
 
 def _budget(body: dict[str, Any], header: str | None, header_name: str) -> int | None:

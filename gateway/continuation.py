@@ -31,7 +31,7 @@ from gateway.observe import Usage
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.reasoning import normalise, reasoning_of, write_reasoning
 from gateway.relay import DONE
-from gateway.sse import Event, Overflow, Piece
+from gateway.sse import Event, Overflow, Piece, Pieces
 from gateway.thinking import Thinking
 
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
@@ -156,9 +156,9 @@ class _Stitch(BodyFilterBase):
 
     # -- streamed ---------------------------------------------------------------------------------------
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         out: list[Piece] = []
-        for piece in pieces:
+        for piece in pieces:  # a ``Whole`` read's events too
             if isinstance(piece, Overflow):
                 raise UpstreamReplyTooLarge(f"backend {self.backend} sent an event too large to hold")
             data = piece.data() if isinstance(piece, Event) else None

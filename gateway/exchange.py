@@ -49,9 +49,10 @@ from gateway.relay import (
     response_head,
     send_error,
     sse_error,
+    streamed,
     upstream_headers,
 )
-from gateway.sse import MAX_EVENT_BYTES, EventSplitter, Piece, Unended, Whole
+from gateway.sse import MAX_EVENT_BYTES, EventSplitter, Piece, Pieces, Unended, Whole, as_list
 from gateway.transport import TransportResponse, UpstreamReadError, UpstreamTransport, UpstreamTransportError
 
 log = logging.getLogger("warmroute.proxy")
@@ -96,10 +97,14 @@ class Relay:
             await relay_404(ctx, upstream, send, self.timeouts.read_s)
             ctx.outcome = RequestOutcome.HTTP_4XX
             return
-        sse, head = response_head(upstream, ctx.lease.backend.id, ctx.reason)
+        sse = streamed(upstream)
         filters = self._filters(ctx, upstream.status, sse)
+        held = False  # a filter reads the whole body first: its head then goes without the engine's size
+        if not sse:
+            for f in filters:
+                held = held or f.holds
         try:
-            result = await self._pump(ctx, upstream, sse, head, send, filters)
+            result = await self._pump(ctx, upstream, sse, held, send, filters)
         finally:
             for f in filters:
                 if f.own_close:
@@ -153,7 +158,7 @@ class Relay:
         ctx: RequestContext,
         upstream: TransportResponse,
         sse: bool,
-        head: Message,
+        held: bool,
         send: Send,
         filters: tuple[BodyFilter, ...],
     ) -> bytes | UpstreamError:
@@ -162,7 +167,7 @@ class Relay:
         backend = ctx.lease.backend.id
         watch = SilenceWatch.for_request(ctx, self.timeouts)
         try:
-            return await self._exchanges(ctx, upstream, sse, head, send, watch, filters)
+            return await self._exchanges(ctx, upstream, sse, held, send, watch, filters)
         except asyncio.CancelledError:
             if watch.fired is None:
                 raise  # the client left, or the server is stopping
@@ -189,21 +194,18 @@ class Relay:
         ctx: RequestContext,
         upstream: TransportResponse,
         sse: bool,
-        head: Message,
+        held: bool,
         send: Send,
         watch: SilenceWatch,
         filters: tuple[BodyFilter, ...],
     ) -> bytes:
-        """The engine's body, then each follow-up a filter asks for; the last bytes to send."""
+        """The engine's body, then each follow-up a filter asks for; the last bytes to send. A ``held`` body's
+        head (unsized) goes once the body is read."""
         assert ctx.lease is not None
         backend = ctx.lease.backend.id
-        held = False
-        if not sse:
-            for f in filters:
-                held = held or f.holds
-        if held:
-            head = self._unsized(head, backend)
-        else:
+        limit = self.limits.max_reply_bytes if held else None
+        _, head = response_head(upstream, backend, ctx.reason, limit)
+        if not held:
             await _send_head(ctx, send, head, watch)
         kept, response = [], upstream
         while True:
@@ -225,12 +227,11 @@ class Relay:
         if not held:
             return tail
         if response is not upstream:  # the last exchange's status (the first one's head is unsized already)
-            _, head = response_head(response, backend, ctx.reason)
-            head = self._unsized(head, backend)
+            _, head = response_head(response, backend, ctx.reason, limit)
         await _send_head(ctx, send, head, watch)
-        watch.sending = True  # its size is no longer the engine's: sent unsized, the server frames it
-        await send(body(b"".join(kept) + tail, more=True))
-        return b""
+        # Its size is no longer the engine's: sent unsized, the server frames it. It goes as the answer's
+        # last message (one write, the chunk and the end together).
+        return kept[0] + tail if len(kept) == 1 else b"".join(kept) + tail
 
     async def _body(
         self,
@@ -351,16 +352,6 @@ class Relay:
             raise UpstreamError(f"backend {backend.id} refused the continuation ({response.status})")
         return response
 
-    def _unsized(self, head: Message, backend: str) -> Message:
-        """A held body's head (its size is known once it is read); one said to be too large is refused."""
-        headers = []
-        for name, value in head["headers"]:
-            if name != b"content-length":
-                headers.append((name, value))
-            elif value.isdigit() and int(value) > self.limits.max_reply_bytes:
-                raise reply_too_large(backend, self.limits.max_reply_bytes)
-        return {**head, "headers": headers}
-
 
 class _Tap(BodyFilterBase):
     """The observation tap, last: it sees what the client gets."""
@@ -370,7 +361,7 @@ class _Tap(BodyFilterBase):
     def __init__(self, tap: ResponseTap) -> None:
         self.tap = tap
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         self.tap.take(pieces)
         return pieces
 
@@ -380,7 +371,7 @@ class _Tap(BodyFilterBase):
         return data
 
 
-def _through(filters: tuple[BodyFilter, ...], pieces: list[Piece]) -> list[Piece]:
+def _through(filters: tuple[BodyFilter, ...], pieces: Pieces) -> Pieces:
     for f in filters:
         if not pieces:
             break
@@ -393,9 +384,9 @@ def _ended(filters: tuple[BodyFilter, ...]) -> list[Piece]:
     out: list[Piece] = []
     for f in filters:
         if out:
-            out = f.events(out)
+            out = as_list(f.events(out))
         if f.own_end:
-            out += f.end()
+            out = out + f.end()  # never ``+=``: ``out`` may be a filter's own list
     return out
 
 

@@ -29,7 +29,7 @@ from gateway.errors import UpstreamError
 from gateway.metrics import Metrics
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.shapes.base import OPENAI_FINISH, FinishKey
-from gateway.sse import Event, EventSplitter, Piece, Whole
+from gateway.sse import Event, EventSplitter, Pieces, Whole
 
 log = logging.getLogger("warmroute.proxy")
 
@@ -82,20 +82,23 @@ class StreamGuard:
             self._events = EventSplitter(_MAX_EVENT)
         return self.inspect(self._events.feed(chunk))
 
-    def inspect(self, pieces: list[Piece]) -> bool:
+    def inspect(self, pieces: Pieces) -> bool:
         """Inspect the whole events among ``pieces`` (larger ones than 64 KiB are not looked at); True when
         they made the stream trip."""
         if type(pieces) is Whole and len(pieces.raw) <= _MAX_EVENT:  # one read of whole events, as it came
-            data = pieces.raw
-        elif len(pieces) == 1:  # one event
-            data = pieces[0].raw
-            if not isinstance(pieces[0], Event) or len(data) > _MAX_EVENT:
-                return False
+            data = pieces.raw  # (its events never cut)
         else:
-            events = [p.raw for p in pieces if isinstance(p, Event) and len(p.raw) <= _MAX_EVENT]
-            if not events:
-                return False
-            data = events[0] if len(events) == 1 else b"".join(events)
+            if type(pieces) is Whole:
+                pieces = pieces.events()
+            if len(pieces) == 1:  # one event
+                data = pieces[0].raw
+                if not isinstance(pieces[0], Event) or len(data) > _MAX_EVENT:
+                    return False
+            else:
+                events = [p.raw for p in pieces if isinstance(p, Event) and len(p.raw) <= _MAX_EVENT]
+                if not events:
+                    return False
+                data = events[0] if len(events) == 1 else b"".join(events)
         end = len(data)
         if self.tripped is None and self._pieces(data, end):
             return True
@@ -213,7 +216,7 @@ class _GuardFilter(BodyFilterBase):
     def __init__(self, owner: OutputGuard, guard: StreamGuard, backend: str) -> None:
         self.owner, self.guard, self.backend = owner, guard, backend
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         if self.guard.inspect(pieces) and self._tripped():
             # The tripping event is not sent; the engine answered, so this is no breaker failure.
             raise UpstreamError(

@@ -49,6 +49,7 @@ class Connection(asyncio.Protocol):
         self.paused = False
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
+        self._poller: select.poll | None = None  # this socket's, for ``readable`` (made once it is open)
         self._begin(None, reused=False, head_only=False)
 
     def _begin(self, parser: httptools.HttpResponseParser | None, *, reused: bool, head_only: bool) -> None:
@@ -102,14 +103,10 @@ class Connection(asyncio.Protocol):
 
     def readable(self) -> bool:
         """Bytes or an EOF wait on this idle socket that the event loop has not read yet: reused, the
-        connection would take them for the next request's answer. One ``poll()``, on this socket only."""
-        assert self.transport is not None
-        sock = self.transport.get_extra_info("socket")
-        if sock is None:
-            return False
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        connection would take them for the next request's answer. One ``poll()``, on this socket only (its
+        poll object is made once, when the connection opens: not per request)."""
+        poller = self._poller
+        return poller is not None and bool(poller.poll(0))
 
     def resume(self) -> None:
         self.paused = False
@@ -141,6 +138,10 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
         self.open_conns.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._poller = poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser

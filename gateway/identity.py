@@ -89,11 +89,8 @@ class SessionIdentity:
 
         Raises ``BadRequest`` (naming the source) for a value that is too long or holds control characters.
         """
-        found: dict[bytes, bytes] = {}
-        names = self.names
-        for k, v in headers:
-            if k in names and k not in found:  # a header sent twice: its first value, as everywhere
-                found[k] = v
+        first = dict(reversed(headers))  # a header sent twice: its first value, as everywhere
+        found = {k: first[k] for k in self.names if k in first}
         if not found and (body is None or self._roots.isdisjoint(body)):
             return None  # the common request: no source can be present (one set lookup per body field)
         for source in self.sources:

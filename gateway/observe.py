@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from gateway.outcomes import RequestOutcome
-from gateway.sse import Event, EventSplitter, Piece, Whole
+from gateway.sse import Event, EventSplitter, Pieces, Whole
 from routing.keys import REPLY_CHARS, reply_text
 from routing.types import Reason
 
@@ -142,8 +142,9 @@ class ResponseTap:
         if self._seeking:
             self._seek(chunk)
 
-    def take(self, pieces: list[Piece]) -> None:
-        """What the relay sends, as the relay's own splitter cut it into events (no splitter of its own)."""
+    def take(self, pieces: Pieces) -> None:
+        """What the relay sends, as the relay's own splitter cut it into events (no splitter of its own): a
+        ``Whole`` read's events are cut only while the reply is sought."""
         if type(pieces) is Whole:
             chunk = pieces.raw
         else:
@@ -247,9 +248,9 @@ class HeadTap(ResponseTap):
             self._keep(chunk)
         super().feed(chunk)
 
-    def take(self, pieces: list[Piece]) -> None:
+    def take(self, pieces: Pieces) -> None:
         if self._room:
-            self._keep(b"".join(p.raw for p in pieces))
+            self._keep(pieces.raw if type(pieces) is Whole else b"".join([p.raw for p in pieces]))
         super().take(pieces)
 
     def usage(self, read: Callable[[bytes], Usage | None] | None = None) -> Usage | None:

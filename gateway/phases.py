@@ -32,7 +32,7 @@ from starlette.types import Send
 from backends.registry import Backend, Lease
 from gateway.context import Attempt, Draft, Release, RequestContext
 from gateway.observe import Observation
-from gateway.sse import Piece
+from gateway.sse import Piece, Pieces
 from routing.types import Decision, RouteRequest
 
 
@@ -98,12 +98,14 @@ class BodyFilter(Protocol):
     """One attempt's view of its response body (``BodyFilterBase`` has the do-nothing default of each).
 
     ``events``: the SSE pieces of one read of a stream (one splitter per response feeds them), returned as
-    they should go on (changed, dropped, or as they came); ``body``: a non-streamed body (whole when any
-    filter ``holds`` it, else each chunk). A ``GatewayError`` raised here ends the answer with it (the engine
-    answered: no failure of its health). ``follow_up``: after the engine's body ended, the body of a second
-    exchange on the same lease, or None; ``before_follow_up`` is awaited once the ended exchange is closed
-    and before the follow-up is sent (a paused stream waits for its seat again); ``continued`` tells every
-    filter one starts. A filter that sets ``attempt.cut`` ends the exchange after the read it is given.
+    they should go on (changed, dropped, or as they came): a ``Whole`` read (gateway/sse.py) is not a list;
+    take its ``raw`` bytes, or its ``events()``, and return it unchanged or a new list; ``body``: a
+    non-streamed body (whole when any filter ``holds`` it, else each chunk). A ``GatewayError`` raised here
+    ends the answer with it (the engine answered: no failure of its health). ``follow_up``: after the engine's
+    body ended, the body of a second exchange on the same lease, or None; ``before_follow_up`` is awaited once
+    the ended exchange is closed and before the follow-up is sent (a paused stream waits for its seat again);
+    ``continued`` tells every filter one starts. A filter that sets ``attempt.cut`` ends the exchange after
+    the read it is given.
     ``end``: pieces to send after the last one; ``close``: the attempt's relay is over, however it ended.
     """
 
@@ -116,7 +118,7 @@ class BodyFilter(Protocol):
     own_end: bool
     own_close: bool
 
-    def events(self, pieces: list[Piece]) -> list[Piece]: ...
+    def events(self, pieces: Pieces) -> Pieces: ...
 
     def body(self, data: bytes) -> bytes: ...
 
@@ -146,7 +148,7 @@ class BodyFilterBase:
         for hook in _OPTIONAL_HOOKS:
             setattr(cls, f"own_{hook}", getattr(cls, hook) is not getattr(BodyFilterBase, hook))
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         return pieces
 
     def body(self, data: bytes) -> bytes:

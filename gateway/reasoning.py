@@ -12,7 +12,7 @@ from config.settings import ReasoningFields
 from gateway.context import Attempt, RequestContext, canonical_json
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.shapes.base import ReasoningRewrite
-from gateway.sse import Event, Piece, Whole
+from gateway.sse import Event, Piece, Pieces, Whole
 
 FIELDS = REASONING_FIELDS  # every dialect's output fields (backends/dialects.py)
 
@@ -78,11 +78,13 @@ class _Events(BodyFilterBase):
         self.fields = fields
         self.rewrite = rewrite
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         # ``find``, not ``in`` (gateway/sse.py says why)
-        if type(pieces) is Whole and pieces.raw.find(b"reasoning") < 0:
-            return pieces  # the common read: whole events, nothing to rewrite
-        if len(pieces) == 1 and pieces[0].raw.find(b"reasoning") < 0:
+        if type(pieces) is Whole:
+            if pieces.raw.find(b"reasoning") < 0:
+                return pieces  # the common read: whole events, nothing to rewrite (none cut)
+            pieces = pieces.events()
+        elif len(pieces) == 1 and pieces[0].raw.find(b"reasoning") < 0:
             return pieces
         return [
             self._event(p) if isinstance(p, Event) and p.raw.find(b"reasoning") >= 0 else p for p in pieces

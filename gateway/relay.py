@@ -31,16 +31,30 @@ _RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
 _RELAYED_PREFIX = (b"x-ratelimit-", b"anthropic-ratelimit-")
 
 
-def response_head(upstream: TransportResponse, backend: str, reason: Reason) -> tuple[bool, Message]:
-    """(is it an SSE stream, the ``http.response.start`` message for the client)."""
+def streamed(upstream: TransportResponse) -> bool:
+    """Whether the engine answered an SSE stream."""
+    return (upstream.header(b"content-type") or b"").startswith(SSE)
+
+
+def response_head(
+    upstream: TransportResponse, backend: str, reason: Reason, hold_limit: int | None = None
+) -> tuple[bool, Message]:
+    """(is it an SSE stream, the ``http.response.start`` message for the client). ``hold_limit``: the body is
+    held whole (at most that many bytes) and may be rewritten, so its head goes without the engine's
+    content-length, and a body the engine says is larger is refused here (``UpstreamReplyTooLarge``)."""
     content_type = upstream.header(b"content-type") or b"application/json"
     sse = content_type.startswith(SSE)
     headers = [(b"content-type", content_type)]
     if sse:
         headers.append((b"cache-control", b"no-cache"))
     for name, value in upstream.headers:
-        if name in _RELAYED or name.startswith(_RELAYED_PREFIX) or (name == b"content-length" and not sse):
+        if name in _RELAYED or name.startswith(_RELAYED_PREFIX):
             headers.append((name, value))
+        elif name == b"content-length" and not sse:
+            if hold_limit is None:
+                headers.append((name, value))
+            elif value.isdigit() and int(value) > hold_limit:
+                raise reply_too_large(backend, hold_limit)
     headers.append((b"x-warmroute-backend", backend.encode()))
     headers.append((b"x-warmroute-route", reason.value.encode()))
     return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
@@ -140,14 +154,18 @@ def upstream_headers(
 ) -> list[tuple[bytes, bytes]]:
     """What the engine gets: our framing, the client's accept and request id, and the right credentials
     (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway)."""
-    accept = request_id = auth = None
-    for name, value in client:
-        if name == b"accept":
-            accept = accept or value
-        elif name == b"x-request-id":
-            request_id = request_id or value
-        elif name == b"authorization" and forward_auth:
-            auth = auth or value
+    first = dict(reversed(client))  # each header's first value, in one C pass
+    accept, request_id = first.get(b"accept"), first.get(b"x-request-id")
+    auth = first.get(b"authorization") if forward_auth else None
+    if accept == b"" or request_id == b"" or auth == b"":  # sent empty first: the first one not empty
+        accept = request_id = auth = None
+        for name, value in client:
+            if name == b"accept":
+                accept = accept or value
+            elif name == b"x-request-id":
+                request_id = request_id or value
+            elif name == b"authorization" and forward_auth:
+                auth = auth or value
     headers = [
         (b"content-type", b"application/json"),
         (b"accept", accept or b"*/*"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import SupportsIndex, overload
+from typing import TypeAlias, final
 
 #: Longest event held back whole; a longer one passes through unread. Engines' events are a few hundred
 #: bytes (a token, a tool-call fragment, the usage chunk); a megabyte leaves room for a huge one.
@@ -78,95 +78,86 @@ class Unended:
 Piece = Event | Overflow | Unended
 
 
-class Whole(list[Piece]):
-    """Pieces that are exactly one read, cut into whole events (``raw``: that read). A filter that keeps them
-    as they are returns the same list; one that changes anything returns a new list (never edits this one),
-    so the relay and the tap can take ``raw`` instead of joining the events again.
+@final
+class Whole:
+    """One read that is exactly whole LF-framed events, kept as that read (``raw``): not a list.
 
-    The events are cut only when first read (counted, iterated, indexed, compared): a read every filter
-    takes as ``raw`` (the guard, an answer without reasoning fields, the tap once it has seen the reply)
-    costs no ``Event`` at all. Never empty (a read ends with a blank line).
+    A filter that can take the read as it came reads ``raw``; one that needs the events asks for them with
+    ``events()`` (or iterates, which asks too): they are cut on the first ask, once, and cached. A read
+    every filter takes as ``raw`` (the guard, an answer without reasoning fields, the tap once it has seen
+    the reply) costs no ``Event`` at all. A filter that keeps the read as it is returns this same object;
+    one that changes anything returns a new list (never edits this one), so the relay and the tap can send
+    ``raw`` instead of joining the events again. Never empty (a read ends with a blank line).
+
+    Only what filters use is here: ``raw``, ``events()``, iteration, ``len`` and ``==`` (a list of the same
+    events, or a ``Whole`` of the same bytes). Anything else a list has (indexing, ``append``, ``+``,
+    slicing) is an error, never a silently empty list: ``as_list()`` gives a list either way.
     """
 
-    __slots__ = ("_cut", "raw")
+    __slots__ = ("_events", "raw")
 
     def __init__(self, raw: bytes) -> None:
-        super().__init__()
         self.raw = raw
-        self._cut = False
+        self._events: list[Piece] | None = None  # not cut yet
 
-    def _events(self) -> None:
-        """Cut ``raw``: whole LF-framed events from a line start, each ending at its first LF LF (a blank
-        line alone is an event too), found with one-byte searches. ``raw`` ends in LF LF, so every search
-        finds one before the end."""
-        self._cut = True
-        chunk, n, start, add = self.raw, len(self.raw), 0, super().append
-        while start < n:
-            if chunk[start] == _LF:
-                end = start + 1  # a further blank line: bytes between events
-            else:
-                lf = chunk.find(b"\n", start)
-                while chunk[lf + 1] != _LF:
-                    lf = chunk.find(b"\n", lf + 2)
-                end = lf + 2
-            add(Event(chunk[start:end]))
-            start = end
+    @property
+    def cut(self) -> bool:
+        """Whether its events were asked for (and built)."""
+        return self._events is not None
 
-    def __bool__(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        if not self._cut:
-            self._events()
-        return super().__len__()
+    def events(self) -> list[Piece]:
+        """Its events, cut from ``raw`` on the first call (the same list after; never edit it)."""
+        events = self._events
+        if events is None:
+            events = self._events = _lf_events(self.raw)
+        return events
 
     def __iter__(self) -> Iterator[Piece]:
-        if not self._cut:
-            self._events()
-        return super().__iter__()
+        return iter(self.events())
 
-    def __reversed__(self) -> Iterator[Piece]:
-        if not self._cut:
-            self._events()
-        return super().__reversed__()
+    def __len__(self) -> int:
+        return len(self.events())
 
-    @overload
-    def __getitem__(self, i: SupportsIndex) -> Piece: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[Piece]: ...
-
-    def __getitem__(self, i: SupportsIndex | slice) -> Piece | list[Piece]:
-        if not self._cut:
-            self._events()
-        return super().__getitem__(i)
-
-    def __contains__(self, item: object) -> bool:
-        return item in list(self)
+    def __bool__(self) -> bool:
+        return True  # without cutting: such a read always holds an event
 
     def __eq__(self, other: object) -> bool:
-        return list(self) == other
+        if type(other) is Whole:
+            return self.raw == other.raw
+        return self.events() == other if isinstance(other, list) else NotImplemented
 
-    def __ne__(self, other: object) -> bool:
-        return list(self) != other
-
-    def __add__(self, other: list[Piece]) -> list[Piece]:  # type: ignore[override]
-        return [*self, *other]
-
-    def __radd__(self, other: list[Piece]) -> list[Piece]:
-        return [*other, *self]
+    __hash__ = None  # type: ignore[assignment]  # compared by value, as a list is
 
     def __repr__(self) -> str:
-        return f"Whole({list(self)!r})"
+        return f"Whole({self.raw!r})"
 
-    def copy(self) -> list[Piece]:
-        return list(self)
 
-    def index(self, item: Piece, *args: SupportsIndex) -> int:
-        return list(self).index(item, *args)
+#: What a body filter is given and returns: one read's pieces, either still whole (``Whole``) or a list.
+Pieces: TypeAlias = Whole | list[Piece]
 
-    def count(self, item: Piece) -> int:
-        return list(self).count(item)
+
+def as_list(read: Pieces) -> list[Piece]:
+    """``read`` as a list of pieces (a ``Whole``'s events, cut if they were not yet; never edit it)."""
+    return read.events() if type(read) is Whole else read
+
+
+def _lf_events(chunk: bytes) -> list[Piece]:
+    """Whole LF-framed events from a line start, each ending at its first LF LF (a blank line alone is an
+    event too), found with one-byte searches. ``chunk`` ends in LF LF, so every search finds one before
+    the end."""
+    out: list[Piece] = []
+    n, start, add = len(chunk), 0, out.append
+    while start < n:
+        if chunk[start] == _LF:
+            end = start + 1  # a further blank line: bytes between events
+        else:
+            lf = chunk.find(b"\n", start)
+            while chunk[lf + 1] != _LF:
+                lf = chunk.find(b"\n", lf + 2)
+            end = lf + 2
+        add(Event(chunk[start:end]))
+        start = end
+    return out
 
 
 class EventSplitter:
@@ -195,7 +186,7 @@ class EventSplitter:
         self._cr = False  # and _bol stays True: nothing of a next line yet
         return True
 
-    def feed(self, chunk: bytes) -> list[Piece]:
+    def feed(self, chunk: bytes) -> Pieces:
         n = len(chunk)
         if (
             self._bol

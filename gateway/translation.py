@@ -37,7 +37,7 @@ from gateway.context import Attempt, Draft, RequestContext, canonical_json
 from gateway.errors import BadRequest, EngineRefused, UpstreamError
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.shapes.base import ErrorShape, ThinkingUse
-from gateway.sse import Event, Overflow, Piece
+from gateway.sse import Event, Overflow, Piece, Pieces, as_list
 from gateway.translate import messages, responses
 from gateway.translate.common import Untranslated
 from gateway.vision import as_chat
@@ -162,7 +162,7 @@ class _Chained(BodyFilterBase):
         self.first, self.then = first, then
         self.holds = first.holds or then.holds
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         pieces = self.first.events(pieces)
         return self.then.events(pieces) if pieces else pieces
 
@@ -179,7 +179,7 @@ class _Chained(BodyFilterBase):
 
     def end(self) -> list[Piece]:
         tail = self.first.end()
-        out = self.then.events(tail) if tail else []
+        out = as_list(self.then.events(tail)) if tail else []
         return out + self.then.end()
 
     def close(self) -> None:
@@ -224,7 +224,7 @@ class _Stream(BodyFilterBase):
         self.stream, self.backend = stream, backend
         self.failed: UpstreamError | None = None
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         if self.failed is not None:
             raise self.failed
         out: list[bytes] = []
@@ -236,7 +236,7 @@ class _Stream(BodyFilterBase):
             self.failed = exc
         return [Event(raw) for raw in out]
 
-    def _translate(self, pieces: list[Piece], out: list[bytes]) -> None:
+    def _translate(self, pieces: Pieces, out: list[bytes]) -> None:
         for piece in pieces:
             if isinstance(piece, Overflow):
                 raise UpstreamError(f"backend {self.backend} sent an event too large to translate")

@@ -233,3 +233,18 @@ def test_metrics_count_budgets_by_enforcement(gateway: Callable[..., Gw]) -> Non
     assert 'warmroute_thinking_budget_attempts_total{enforced="native"} 2.0' in text
     assert 'warmroute_thinking_budget_attempts_total{enforced="off"} 1.0' in text
     assert 'warmroute_thinking_budget_attempts_total{enforced="gateway"} 0.0' in text
+
+
+def test_a_budget_header_sent_twice_counts_with_its_first_value() -> None:
+    from config.settings import ThinkingConfig
+    from gateway.budgets import BudgetPolicy
+    from gateway.errors import BadRequest
+
+    policy = BudgetPolicy(ThinkingConfig(), {})
+    name = policy.budget_header
+    body = {"model": "m", "messages": []}
+    first = policy.resolve(body, [(b"accept", b"*/*"), (name, b" 7 "), (name, b"oops")], "m")
+    assert first is not None and first.budget == 7 and first.explicit
+    with pytest.raises(BadRequest):
+        policy.resolve(body, [(name, b"oops"), (name, b"7")], "m")
+    assert policy.resolve(body, [(b"accept", b"*/*")], "m") == policy.resolve(body, [], "m")

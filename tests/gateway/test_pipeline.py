@@ -22,7 +22,7 @@ from gateway.observe import Observation, Usage
 from gateway.phases import BodyFilter, BodyFilterBase
 from gateway.proxy import AdmitAll, Proxy
 from gateway.shapes.table import CHAT
-from gateway.sse import Piece
+from gateway.sse import Pieces
 from gateway.state import MemoryAffinityStore
 from gateway.thinking import Thinking
 from routing.keys import chat_key
@@ -119,7 +119,7 @@ class Prefill(BodyFilterBase):
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter:
         return self
 
-    def events(self, pieces: list[Piece]) -> list[Piece]:
+    def events(self, pieces: Pieces) -> Pieces:
         if len(self.seen) == 1:
             self.seen.append(self.registry.backends["a"].prefilling)
         return pieces
