@@ -139,6 +139,9 @@ class BudgetStep:
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
         shaped = draft.edit()
+        if ctx.shape.thinking is ThinkingUse.EFFORT and thinking.effort is not None:
+            # The translation wrote the body's effort; one from the header is the request's all the same.
+            shaped.setdefault(EFFORT_FIELD, thinking.effort)
         if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
             # Phase 2 continues this chat body, not the client's (gateway/translation.py stitches the two
             # chat phases before translating the answer back).
