@@ -339,9 +339,18 @@ def test_an_effort_the_dialect_lacks_is_left_out_and_a_header_effort_is_spelled_
 
 
 def test_a_thinking_budget_has_no_meaning_here_and_is_refused(cluster: ClusterFactory) -> None:
+    """Neither OpenAI's Responses API nor vLLM's has a reasoning token budget: a budget in the body or the
+    header is a 400 that names it and says what to ask with instead; it never reaches an engine."""
     c = cluster(engines=[ResponsesEngine("a")])
     r = httpx.post(c.url + "/v1/responses", json={"model": "m", "input": "x", "thinking_budget": 512})
     assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
+    message = r.json()["error"]["message"]
+    assert "/v1/responses" in message and "'reasoning.effort'" in message and "/v1/chat/completions" in message
+    headed = httpx.post(
+        c.url + "/v1/responses", json={"model": "m", "input": "x"}, headers={"x-thinking-budget": "512"}
+    )
+    assert headed.status_code == 400 and headed.json()["error"]["param"] == "x-thinking-budget"
+    assert "'reasoning.effort'" in headed.json()["error"]["message"]
     bad = httpx.post(
         c.url + "/v1/responses", json={"model": "m", "input": "x"}, headers={"x-reasoning-effort": "lots"}
     )
