@@ -57,6 +57,31 @@ class BudgetPolicy:
         if body.get(BUDGET_FIELD) is not None:
             raise BadRequest(f"'{BUDGET_FIELD}' applies to /v1/chat/completions only", param=BUDGET_FIELD)
 
+    def refuse_budget(
+        self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], path: str, effort: tuple[str, ...]
+    ) -> None:
+        """For shapes with an effort only (``ThinkingUse.EFFORT``): a token budget, in the body or the
+        header, is a 400 that says what to ask with instead. OpenAI's Responses API has no reasoning token
+        budget (``reasoning`` holds ``effort``, ``summary``, ...; ``max_output_tokens`` bounds reasoning and
+        answer together), nor has vLLM's Responses route (its request has no ``thinking_token_budget``, as
+        its chat request has), so the gateway invents none: the effort, through the model's effort table,
+        is this route's budget."""
+        instead = (
+            f"ask with '{'.'.join(effort)}' (or header {self.cfg.effort_header}): the model's effort table "
+            f"gives its token budget; or use /v1/chat/completions, where '{BUDGET_FIELD}' caps thinking"
+        )
+        if body.get(BUDGET_FIELD) is not None:
+            raise BadRequest(
+                f"'{BUDGET_FIELD}' is not a field of {path}, which has no reasoning token budget; {instead}",
+                param=BUDGET_FIELD,
+            )
+        if _header(headers, self.budget_header) is not None:
+            raise BadRequest(
+                f"header {self.cfg.budget_header} does not apply to {path}, which has no reasoning token "
+                f"budget; {instead}",
+                param=self.cfg.budget_header,
+            )
+
     def resolve(
         self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], model: str | None
     ) -> Thinking | None:
@@ -140,6 +165,9 @@ class BudgetStep:
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
         shaped = draft.edit()
+        if ctx.shape.thinking is ThinkingUse.EFFORT and thinking.effort is not None:
+            # The translation wrote the body's effort; one from the header is the request's all the same.
+            shaped.setdefault(EFFORT_FIELD, thinking.effort)
         if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
             # Phase 2 continues this chat body, not the client's (gateway/translation.py stitches the two
             # chat phases before translating the answer back).

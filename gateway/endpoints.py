@@ -114,7 +114,7 @@ class Endpoint:
             else:
                 ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400
         elif shape.thinking is ThinkingUse.EFFORT and self.budgets is not None:
-            self.budgets.refuse(body)  # no token cap on this shape
+            self.budgets.refuse_budget(body, scope["headers"], shape.path, shape.effort_path)
             ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, scope["headers"], model)
         return ctx
 

@@ -72,6 +72,9 @@ __all__ = ["AdmitAll", "Proxy", "RequestFeed", "upstream_headers"]
 log = logging.getLogger("warmroute.proxy")
 
 Sent = TransportResponse | UpstreamError
+#: No pin, no counts: with one eligible backend there is nothing to compare (``Proxy._view``); in-flight
+#: counts fall back to this process's own.
+_NOTHING_TO_COMPARE = StoreView(None, {}, None)
 
 
 class RequestFeed(OutcomeFeed, Protocol):
@@ -199,7 +202,7 @@ class Proxy:
             ctx.ineligible |= rule.ineligible(ctx)
         if self.phases.route_inputs is not None:
             self.phases.route_inputs.plan(ctx)  # may set ctx.route_key (identical heads told apart)
-        view = await self.store.view(ctx.affinity_key if ctx.policy.uses_affinity else None)
+        view = await self._view(ctx)
         ctx.pinned = view.pinned
         backend, refused = await self._choose(ctx, view, frozenset())
         if backend is None:
@@ -222,6 +225,17 @@ class Proxy:
         if isinstance(second, UpstreamError):
             raise second
         return second
+
+    async def _view(self, ctx: RequestContext) -> StoreView:
+        """The store's pin and per-backend counts, or none where they decide nothing: a policy that keeps no
+        pins, with one eligible backend left (a stored response's owner: gateway/ownership.py). With Redis
+        that is one round trip fewer before the request is sent."""
+        policy = ctx.policy
+        if not policy.uses_affinity and ctx.ineligible:
+            eligible = [b for b in self.registry.for_model(ctx.model) if b.id not in ctx.ineligible]
+            if len(eligible) <= 1:
+                return _NOTHING_TO_COMPARE
+        return await self.store.view(ctx.affinity_key if policy.uses_affinity else None)
 
     async def _choose(
         self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]

@@ -121,11 +121,12 @@ def start_engines(
 
 
 def backend_keys(sc: AgentScenario, translated: bool) -> tuple[tuple[str, Any], ...]:
-    """Extra keys of each backend: for the translated engines, the gateway is told (as an operator would be,
-    whatever the dialect says) that they lack the scenario's shape."""
-    if not translated:
-        return sc.backend
-    return (*sc.backend, ("native_shapes", [s for s in API_SHAPES if s != SHAPE_OFF[sc.shape]]))
+    """Extra keys of each backend: the shapes it serves, told to the gateway as an operator would, whatever
+    the dialect says. The simulator serves every shape; the translated engines lack the scenario's. (The
+    default dialect, ``openai``, has no ``/v1/messages``: left to it, the native Messages variants would be
+    translated to chat as well.)"""
+    shapes = [s for s in API_SHAPES if not translated or s != SHAPE_OFF[sc.shape]]
+    return (*sc.backend, ("native_shapes", shapes))
 
 
 def _all_ready(response: httpx.Response) -> bool:

@@ -379,3 +379,33 @@ def test_a_chained_responses_effort_goes_to_the_owner_s_own_route_as_sent(stack:
     r = httpx.post(s.url + RESPONSES, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 200, r.text
     assert s.paths() == [RESPONSES, RESPONSES] and s.engine.exchanges[1].sent == raw
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [{"dialect": "sglang"}, {"dialect": "vllm", "budget_enforcement": "gateway"}],
+    ids=["no-responses-route", "gateway-enforced"],
+)
+def test_a_header_effort_reaches_a_translated_attempt_as_the_body_s_would(
+    stack: Make, backend: dict[str, Any]
+) -> None:
+    """An effort from ``x-reasoning-effort`` is the request's effort, as one in ``reasoning.effort`` is: the
+    chat body the engine receives is the same bytes either way (SGLang: no Responses route, its cap in
+    ``custom_params``; gateway-enforced: phase 1 capped at the effort's budget)."""
+    s = stack(backend)
+    ask = {"model": s.model, "input": "why is the sky blue", "store": False, "max_output_tokens": 4000}
+    by_body = httpx.post(s.url + RESPONSES, json={**ask, "reasoning": {"effort": "low"}}, timeout=30)
+    assert by_body.status_code == 200, by_body.text
+    sent_by_body = [e.sent for e in s.engine.exchanges]
+    by_header = httpx.post(s.url + RESPONSES, json=ask, headers={"x-reasoning-effort": "low"}, timeout=30)
+    assert by_header.status_code == 200, by_header.text
+    sent_by_header = [e.sent for e in s.engine.exchanges[len(sent_by_body) :]]
+    assert set(s.paths()) == {CHAT}
+    assert sent_by_header == sent_by_body
+    first = json.loads(sent_by_header[0])
+    assert first["reasoning_effort"] == "low" and "reasoning" not in first
+    if backend["dialect"] == "sglang":
+        assert first["custom_params"] == {"thinking_budget": LOW} and first["max_tokens"] == 4000
+    else:
+        assert first["max_tokens"] == LOW and len(sent_by_header) == 2  # two phases, the first capped
+    assert by_header.json()["output"][-1]["type"] == "message"

@@ -18,7 +18,7 @@ from gateway.errors import ServerBusy
 from gateway.observe import ResponseTap
 from gateway.ownership import Recorder, ResponseOwnership
 from gateway.redis_keys import RedisKeys
-from gateway.redis_store import RedisAffinityStore
+from gateway.redis_store import RedisAffinityStore, redis_pool
 from gateway.shapes.responses import RESPONSES, usage
 from gateway.sse import EventSplitter
 from gateway.state import MemoryAffinityStore
@@ -26,7 +26,7 @@ from routing.keys import first_reply, reply_key, responses_key
 from routing.shape import chat_shape
 from routing.types import BackendState
 from tools.procs import free_port
-from tools.redis_server import RedisServer
+from tools.redis_server import CountingConnection, RedisServer
 
 from clusters import Cluster, ClusterFactory
 from responses_fakes import ResponsesEngine
@@ -307,6 +307,41 @@ def test_a_chain_alternating_replicas_sharing_redis_reaches_the_owner_every_turn
         assert reached == 4 * 6  # 100 %, and no engine's 404 on the way
 
 
+def test_a_chained_turn_costs_two_redis_round_trips_the_owner_s_lookup_and_its_answer_s_record(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Before a chained turn is sent, only the owner is looked up: with one eligible backend no pin or
+    counts decide anything, so they are not read. After it, its answer's id is recorded."""
+    counting = CountingConnection.fresh()
+    with contextlib.ExitStack() as stack:
+        engines = {n: ResponsesEngine(n) for n in ("a", "b")}
+        backends = [
+            {"id": n, "url": stack.enter_context(serve(e.app()))[0], "models": ["m"]}
+            for n, e in engines.items()
+        ]
+        redis = {"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0, "heartbeat_s": 60,
+                 "lease_ttl_s": 120}  # fmt: skip
+        settings = load_settings(
+            None, backends=backends, redis=redis, routing={"policy": "affinity"}, health=FAST_HEALTH,
+            admin={"sync_interval_s": 3600},  # no change-feed poll while round trips are counted
+        )  # fmt: skip
+        store = RedisAffinityStore(
+            settings.redis, settings.routing, [b.id for b in settings.backends],
+            pool=redis_pool(settings.redis, connection_class=counting),
+        )  # fmt: skip
+        url = stack.enter_context(serve(create_app(settings, store)))[0]
+        first = httpx.post(url + "/v1/responses", json={**HEAD, "input": "task"})
+        rid, owner = first.json()["id"], first.headers["x-warmroute-backend"]
+        before, turns = counting.sent, 6
+        for turn in range(1, turns + 1):
+            body = {**HEAD, "input": f"turn {turn}", "previous_response_id": rid, "stream": turn % 2 == 0}
+            r = httpx.post(url + "/v1/responses", json=body)
+            assert r.status_code == 200 and r.headers["x-warmroute-backend"] == owner, r.text
+            rid = response_id(r)
+        per_turn = (counting.sent - before) / turns  # read before the gateway's shutdown writes its own
+    assert per_turn == 2, per_turn
+
+
 # -- reasoning effort through the budget machinery ----------------------------------------------------------
 
 
@@ -338,9 +373,19 @@ def test_an_effort_the_dialect_lacks_is_left_out_and_a_header_effort_is_spelled_
 
 
 def test_a_thinking_budget_has_no_meaning_here_and_is_refused(cluster: ClusterFactory) -> None:
+    """Neither OpenAI's Responses API nor vLLM's has a reasoning token budget: a budget in the body or the
+    header is a 400 that names it and says what to ask with instead; it never reaches an engine."""
     c = cluster(engines=[ResponsesEngine("a")])
     r = httpx.post(c.url + "/v1/responses", json={"model": "m", "input": "x", "thinking_budget": 512})
     assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
+    message = r.json()["error"]["message"]
+    assert "/v1/responses" in message and "'reasoning.effort'" in message
+    assert "/v1/chat/completions" in message
+    headed = httpx.post(
+        c.url + "/v1/responses", json={"model": "m", "input": "x"}, headers={"x-thinking-budget": "512"}
+    )
+    assert headed.status_code == 400 and headed.json()["error"]["param"] == "x-thinking-budget"
+    assert "'reasoning.effort'" in headed.json()["error"]["message"]
     bad = httpx.post(
         c.url + "/v1/responses", json={"model": "m", "input": "x"}, headers={"x-reasoning-effort": "lots"}
     )

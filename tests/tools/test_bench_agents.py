@@ -181,9 +181,16 @@ def test_every_agent_scenario_is_known_to_the_bench_command() -> None:
     )
 
 
-def test_translated_engines_are_configured_without_the_scenario_s_shape() -> None:
+def test_engines_are_configured_with_the_shapes_they_serve_translated_ones_without_the_scenario_s() -> None:
+    every = ["chat", "completions", "messages", "responses"]
+    # Native engines serve every shape, whatever their dialect lists (the default, openai, has no Messages).
+    for sc in bench_agents.SCENARIOS.values():
+        assert dict(bench_agents.backend_keys(sc, translated=False))["native_shapes"] == every
     kept = bench_agents.SCENARIOS["claude-code-billing-kept"]
-    assert bench_agents.backend_keys(kept, translated=False) == (("dialect", "llamacpp"),)
+    assert bench_agents.backend_keys(kept, translated=False) == (
+        ("dialect", "llamacpp"),
+        ("native_shapes", every),
+    )
     assert dict(bench_agents.backend_keys(kept, translated=True)) == {
         "dialect": "llamacpp",  # whose own list has messages: native_shapes overrides it
         "native_shapes": ["chat", "completions", "responses"],
