@@ -1,4 +1,4 @@
-"""The routing scenarios' variant extras, their gateway configs and their follow-up/queue counts (no processes)."""
+"""The routing scenarios' variant extras, gateway configs and follow-up and queue counts (no processes)."""
 
 from __future__ import annotations
 
