@@ -63,6 +63,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     runs.add_argument("--variants", metavar="LIST",
                       help="scenarios: variants to run instead of the scenario's own, e.g. "
                       "'ttft,ttft@load_share=2;stay_margin=0.5,oracle'")  # fmt: skip
+    runs.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                      help="scenarios: a variant ending in %%NAME runs its gateway from the checkout at PATH "
+                      "(two versions of the code in one run), e.g. --tree main=../main "
+                      "--variants 'ttft%%main,ttft,oracle'")  # fmt: skip
     runs.add_argument("--routing", action="append", default=[], metavar="KEY=VALUE",
                       help="gateway routing setting for every run, e.g. spill_min_in_flight=8")  # fmt: skip
     d = WorkloadSpec()
@@ -114,6 +118,17 @@ def _routing_overrides(pairs: Sequence[str]) -> dict[str, Any]:
         if not sep or not key:
             raise SystemExit(f"warmroute bench: --routing expects KEY=VALUE, got {pair!r}")
         out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _trees(pairs: Sequence[str]) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        tree = Path(path).resolve()
+        if not sep or not name or not (tree / "gateway" / "cli.py").is_file():
+            raise SystemExit(f"warmroute bench: --tree expects NAME=PATH of a checkout, got {pair!r}")
+        out[name.strip()] = tree
     return out
 
 
@@ -264,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.variants:
                 bench_scenarios.VARIANTS[:] = args.variants.split(",")
             bench_scenarios.KV_EVENTS[0] = args.kv_events
+            bench_scenarios.TREES.update(_trees(args.tree))
             return bench_scenarios.main(names, args.rounds, args.time_scale, profile, out)
     policies = _policies(args.policies)
     try:

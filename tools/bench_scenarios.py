@@ -12,6 +12,8 @@ turn (moved); ``missed_followups`` those whose engine had less than ``MISSED_SHA
 prompt cached (a re-prefill, wherever served); with admission on, ``queued`` counts requests that waited
 in the gateway's queue longer than 5 ms and ``queued_ms_mean`` the mean wait over all admitted requests
 (the gateway's ``warmroute_admission_wait_seconds``).
+``policy@key=value;…`` adds routing settings; ``policy%NAME`` runs the gateway from the checkout given as
+``--tree NAME=PATH``, so two versions of the routing code are compared within one run.
 
 - ``identical-GxN``: G groups of N conversations sharing system prompt *and* first user message (N = 4, 8,
   16, 32); each later turn adds ~600 tokens, ~3000 in the ``-long`` twins.
@@ -39,6 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -60,6 +63,7 @@ ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command
 VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
 KV_EVENTS: list[bool] = [False]  # ``--kv-events``: every scenario also runs ``ttft+kv``
 MISSED_SHARE = 0.9  # a follow-up whose engine had less of the previous turn's prompt cached re-read it
+TREES: dict[str, Path] = {}  # ``--tree NAME=PATH``: ``policy%NAME`` runs that checkout's gateway
 gateways_started: list[str] = []
 
 
@@ -137,8 +141,8 @@ EXTRAS = frozenset({"weights", "kv", "admission"})
 
 
 def _extras(variant: str) -> set[str]:
-    """``weights``, ``kv`` and/or ``admission`` of ``policy+weights+kv+admission@settings``."""
-    extras = set(variant.partition("@")[0].split("+")[1:])
+    """``weights``, ``kv`` and/or ``admission`` of ``policy+weights+kv+admission@settings%tree``."""
+    extras = set(variant.partition("%")[0].partition("@")[0].split("+")[1:])
     if unknown := extras - EXTRAS:
         raise SystemExit(f"warmroute bench: unknown variant extras {sorted(unknown)} in {variant!r}")
     return extras
@@ -148,6 +152,18 @@ def admission_config(max_in_flight: int) -> dict[str, Any]:
     """``+admission``: what a user would write for these engines: each backend's bound is its engine's
     batch (the simulator's ``--max-running``, vLLM's ``max_num_seqs``); one class (no client keys)."""
     return {"enabled": True, "max_in_flight": max_in_flight}
+
+
+def parse_variant(variant: str) -> tuple[str, set[str], dict[str, Any], Path | None]:
+    """``policy[+weights][+kv][+admission][@key=value;key=value][%tree]``: the policy, its extras, the extra
+    routing settings, and the checkout (``--tree``) whose gateway runs it (None: this one). Settings and
+    trees make variants of one policy, so two versions of the routing code are compared within one run."""
+    rest, _, tree = variant.partition("%")
+    name, _, settings = rest.partition("@")
+    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
+    if tree and tree not in TREES:
+        raise SystemExit(f"warmroute bench: variant {variant!r} names tree {tree!r}; give --tree {tree}=PATH")
+    return name.partition("+")[0], _extras(variant), overrides, TREES[tree] if tree else None
 
 
 def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[Engine]:
@@ -189,6 +205,7 @@ def start_gateway(
     overrides: dict[str, Any] | None = None,
     kv_events: bool = False,
     admission: int | None = None,
+    source: Path | None = None,
 ) -> Child:
     """A gateway in front of ``engines``; ``admission``: on, each backend admitting that many at once."""
     port = free_port()
@@ -211,7 +228,8 @@ def start_gateway(
         config["admission"] = admission_config(admission)
     path = launch.workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))
-    child = launch._spawn(name, port, launch_python("-m", "gateway.cli", "serve", "--config", str(path)))
+    argv = launch_python("-m", "gateway.cli", "serve", "--config", str(path))
+    child = launch._spawn(name, port, argv, source)
     launch._wait(child, "/readyz", lambda r: r.status_code in (200, 503))
     return child
 
@@ -250,11 +268,7 @@ async def run_variant(
     time_scale: float,
     max_running: int,
 ) -> dict[str, Any]:
-    # "policy[+weights][+kv][+admission][@key=value;key=value]": the extra routing settings make variants of
-    # one policy.
-    name, _, settings = variant.partition("@")
-    policy, extras = name.partition("+")[0], _extras(variant)
-    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
+    policy, extras, overrides, source = parse_variant(variant)
     for e in engines:
         await client.delete(f"{e.url}/sim/faults")
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
@@ -272,6 +286,7 @@ async def run_variant(
             overrides,
             kv_events="kv" in extras,
             admission=max_running if "admission" in extras else None,
+            source=source,
         )
         gateways_started.append(variant)
         await _until_state(client, gateway, engines[-1].id, {"ready"})

@@ -159,12 +159,22 @@ class Launcher:
         self._wait(child, "/readyz", _all_backends_ready)
         return child
 
-    def _spawn(self, name: str, port: int, argv: list[str]) -> Child:
+    def _spawn(self, name: str, port: int, argv: list[str], source: Path | None = None) -> Child:
+        """``source``: a checkout whose packages the child imports (run from there, first on its path)."""
         log_path = self.workdir / f"{name}.log"
         deferred = self.stop_request.deferred() if self.stop_request else contextlib.nullcontext()
+        env = _child_env()
+        if source is not None:
+            env["PYTHONPATH"] = str(source)
         with deferred, log_path.open("wb") as log:
             process = procs.spawn(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), group=True, die_with_parent=True
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=source,
+                group=True,
+                die_with_parent=True,
             )
             child = Child(name, f"http://{LOCALHOST}:{port}", process, log_path)
             self.children.append(child)  # before a deferred stop is raised: it is stopped with the rest

@@ -1,8 +1,10 @@
-"""The routing scenarios' variant extras, gateway configs and follow-up and queue counts (no processes)."""
+"""The routing scenarios' variant names, a variant's gateway run from another checkout (``--tree``), the
+``+admission`` gateway config, and the follow-up and queue counts."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,56 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from config.settings import load_settings
 from gateway.metrics import AdmissionMetrics
-from tools import bench_scenarios as bs
+from tools import bench, bench_scenarios
 from tools.bench_report import TurnRecord
 from tools.client import StreamResult
-from tools.launch import Engine
+from tools.launch import Engine, Launcher
+
+
+@pytest.fixture
+def trees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    main = tmp_path / "main"
+    monkeypatch.setattr(bench_scenarios, "TREES", {"main": main})
+    return {"main": main}
+
+
+def test_a_variant_names_its_policy_extras_settings_and_tree(trees: dict[str, Path]) -> None:
+    parse = bench_scenarios.parse_variant
+    assert parse("ttft") == ("ttft", set(), {}, None)
+    assert parse("ttft+weights%main") == ("ttft", {"weights"}, {}, trees["main"])
+    assert parse("ttft+kv@stay_margin=0.5;load_share=2%main") == (
+        "ttft",
+        {"kv"},
+        {"stay_margin": 0.5, "load_share": 2},
+        trees["main"],
+    )
+    assert bench_scenarios._extras("ttft+weights+kv%main") == {"weights", "kv"}
+
+
+def test_a_tree_that_was_not_given_is_refused(trees: dict[str, Path]) -> None:
+    with pytest.raises(SystemExit, match="--tree old=PATH"):
+        bench_scenarios.parse_variant("ttft%old")
+
+
+def test_a_tree_must_be_a_checkout(tmp_path: Path) -> None:
+    (tmp_path / "gateway").mkdir()
+    with pytest.raises(SystemExit, match="--tree expects"):
+        bench._trees([f"main={tmp_path}"])
+    (tmp_path / "gateway" / "cli.py").write_text("")
+    assert bench._trees([f"main={tmp_path}"]) == {"main": tmp_path.resolve()}
+
+
+def test_a_child_from_another_checkout_imports_that_checkout(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "gateway").mkdir(parents=True)
+    (tree / "gateway" / "__init__.py").write_text("")
+    probe = "import gateway, os; print(gateway.__file__, os.getcwd())"
+    with Launcher("warmroute-test-") as launch:
+        child = launch._spawn("probe", 1, [sys.executable, "-c", probe], tree)
+        assert child.process.wait(timeout=30) == 0
+        where, cwd = child.log_path.read_text().split()
+    assert Path(where) == tree / "gateway" / "__init__.py" and Path(cwd) == tree
+
 
 ENGINES = [Engine("engine-1", "http://127.0.0.1:1"), Engine("engine-2", "http://127.0.0.1:2")]
 
@@ -24,7 +72,7 @@ class _Launch:
         self.workdir = tmp
         self.configs: list[dict[str, Any]] = []
 
-    def _spawn(self, name: str, port: int, argv: list[str]) -> object:
+    def _spawn(self, name: str, port: int, argv: list[str], source: Path | None = None) -> object:
         self.configs.append(json.loads(Path(argv[-1]).read_text()))
         return object()
 
@@ -33,17 +81,17 @@ class _Launch:
 
 
 def test_variant_extras_are_parsed_and_unknown_ones_refused() -> None:
-    assert bs._extras("ttft") == set()
-    assert bs._extras("affinity+admission") == {"admission"}
-    assert bs._extras("ttft+kv+admission@stay_margin=0.5") == {"kv", "admission"}
+    assert bench_scenarios._extras("ttft") == set()
+    assert bench_scenarios._extras("affinity+admission") == {"admission"}
+    assert bench_scenarios._extras("ttft+kv+admission@stay_margin=0.5") == {"kv", "admission"}
     with pytest.raises(SystemExit, match="admision"):
-        bs._extras("ttft+admision")  # a typo must not run as plain ttft
+        bench_scenarios._extras("ttft+admision")  # a typo must not run as plain ttft
 
 
 def test_admission_variant_bounds_every_backend_by_its_engines_batch(tmp_path: Path) -> None:
     launch = _Launch(tmp_path)
-    bs.start_gateway(launch, ENGINES, "ttft", None, 1.0, "plain")  # type: ignore[arg-type]
-    bs.start_gateway(launch, ENGINES, "ttft", None, 1.0, "admitted", admission=4)  # type: ignore[arg-type]
+    bench_scenarios.start_gateway(launch, ENGINES, "ttft", None, 1.0, "plain")  # type: ignore[arg-type]
+    bench_scenarios.start_gateway(launch, ENGINES, "ttft", None, 1.0, "admitted", admission=4)  # type: ignore[arg-type]
     plain, admitted = (load_settings(None, **c) for c in launch.configs)
     assert not plain.admission.enabled
     assert admitted.admission.enabled and admitted.admission.max_in_flight == 4
@@ -65,7 +113,7 @@ def test_missed_followups_count_re_reads_wherever_served() -> None:
         _turn(1, 1, "engine-2", 2500, 0),
         _turn(1, 2, "engine-2", 3100, 1000),  # at home, evicted: a re-read
     ]
-    assert bs._missed(turns) == 2
+    assert bench_scenarios._missed(turns) == 2
 
 
 def test_queued_counts_admitted_waits_from_the_gateways_histogram() -> None:
@@ -74,6 +122,6 @@ def test_queued_counts_admitted_waits_from_the_gateways_histogram() -> None:
     for seconds in (0.0001, 0.0002, 0.3, 0.1):
         metrics.waited("standard", "", seconds, "admitted")
     metrics.waited("standard", "", 9.0, "timeout")  # refused: not an admitted request's wait
-    out = bs.queued_from_metrics(generate_latest(registry).decode())
+    out = bench_scenarios.queued_from_metrics(generate_latest(registry).decode())
     assert (out["admitted"], out["queued"]) == (4, 2)
     assert out["queued_ms_mean"] == pytest.approx(1000 * 0.4003 / 4)
