@@ -1,11 +1,12 @@
 """Admission per backend: the request path's edge of ``backends.admission``'s scheduler.
 
-A request is routed first, so conversation affinity holds: the proxy then ``seat``\\s it on the chosen backend
-(gateway/phases.py ``BackendAdmission``), which returns at once while the backend runs fewer than its
-``max_in_flight`` admitted requests, else waits here until the scheduler picks it (priority class, then fair
-share of tokens within the class). A request that waits never moves to another backend: the routing policy
-decided where it goes (a pinned conversation waits for its warm engine; a new one was routed by load, and
-the load a policy sees is the engine's own in-flight requests, which admission keeps at most the cap).
+A request is routed first, so conversation affinity holds: the proxy then counts it on the chosen backend (its
+lease) and ``seat``\\s it there (gateway/phases.py ``BackendAdmission``), which returns at once while the
+backend runs fewer than its ``max_in_flight`` admitted requests, else waits here until the scheduler picks it
+(priority class, then fair share of tokens within the class). A request that waits never moves to another
+backend: the routing policy decided where it goes (a pinned conversation waits for its warm engine; a new one
+was routed by load, and the load a policy sees counts the requests waiting here, as it counts those waiting
+in an engine's own queue when admission is off).
 
 - Its class: the client key's (``admission.clients``), or ``x-warmroute-class`` from keys trusted with it,
   else ``default_class``. Its estimated tokens: prompt bytes / 4 plus ``max_tokens`` (or the default); the
