@@ -1,11 +1,12 @@
 """Admission per backend: the request path's edge of ``backends.admission``'s scheduler.
 
-A request is routed first, so conversation affinity holds: the proxy then ``seat``\\s it on the chosen backend
-(gateway/phases.py ``BackendAdmission``), which returns at once while the backend runs fewer than its
-``max_in_flight`` admitted requests, else waits here until the scheduler picks it (priority class, then fair
-share of tokens within the class). A request that waits never moves to another backend: the routing policy
-decided where it goes (a pinned conversation waits for its warm engine; a new one was routed by load, and
-the load a policy sees is the engine's own in-flight requests, which admission keeps at most the cap).
+A request is routed first, so conversation affinity holds: the proxy then counts it on the chosen backend (its
+lease) and ``seat``\\s it there (gateway/phases.py ``BackendAdmission``), which returns at once while the
+backend runs fewer than its ``max_in_flight`` admitted requests, else waits here until the scheduler picks it
+(priority class, then fair share of tokens within the class). A request that waits never moves to another
+backend: the routing policy decided where it goes (a pinned conversation waits for its warm engine; a new one
+was routed by load, and the load a policy sees counts the requests waiting here, as it counts those waiting
+in an engine's own queue when admission is off).
 
 - Its class: the client key's (``admission.clients``), or ``x-warmroute-class`` from keys trusted with it,
   else ``default_class``. Its estimated tokens: prompt bytes / 4 plus ``max_tokens`` (or the default); the
@@ -19,7 +20,7 @@ the load a policy sees is the engine's own in-flight requests, which admission k
 - Classes with ``preemptible`` (batch): a stream of theirs that can be continued (gateway/pausing.py) may be
   paused for a waiting request of a higher class on its full backend: its engine request is aborted, the
   waiter takes the slot, and the stream waits for a seat again and goes on as a continuation of the same
-  turn; its client sees one stream.
+  turn; its client sees one stream (and, while it waits, the same keep-alive comments as a waiting one).
 - The client leaving (the proxy's task cancelled) leaves the queue at once; a seat already granted is given
   back. The ``Seat`` is released in the proxy's finish, whatever happened; releasing admits the next waiter.
 
@@ -73,11 +74,14 @@ class Seat:
 
     A resumable one may be ``asked`` to pause; ``pause`` gives the slot back and waits for it again."""
 
-    __slots__ = ("_ctx", "_owner", "_ticket", "asked", "heard", "seated")
+    __slots__ = ("_ctx", "_owner", "_send", "_ticket", "asked", "heard", "seated")
 
-    def __init__(self, owner: AdmissionControl, ticket: Ticket, ctx: RequestContext | None) -> None:
+    def __init__(
+        self, owner: AdmissionControl, ticket: Ticket, ctx: RequestContext | None, send: Send | None = None
+    ) -> None:
         self._owner: AdmissionControl | None = owner
         self._ticket, self._ctx = ticket, ctx
+        self._send = send  # the client's: a paused stream's keep-alive comments go there
         self.asked = False
         self.seated = True  # False while paused, waiting for its seat again
         self.heard = 0.0  # loop time of its engine's latest read (0: none yet)
@@ -88,12 +92,13 @@ class Seat:
 
     async def pause(self) -> None:
         """The stream stopped at its engine: the slot goes to the waiter; back once seated again (a wait past
-        the class's timeout is an ``UpstreamError``: the stream is already under way)."""
+        the class's timeout is an ``UpstreamError``: the stream is already under way). Meanwhile its client
+        is sent an SSE comment every ``keepalive_s``, as a stream waiting for its first seat is."""
         if self._owner is None:
             return
         self.asked = self.seated = False
         self.heard = 0.0
-        self._ticket = await self._owner.paused(self._ticket)
+        self._ticket = await self._owner.paused(self._ticket, self._send)
         self.seated = True
 
     def keep(self) -> None:
@@ -166,7 +171,7 @@ class AdmissionControl:
             self._record(ticket, ADMITTED)
             if self._watchers or outcome.pause:
                 self._apply(outcome)
-            return self._seated(ticket, ctx)
+            return self._seated(ticket, ctx, send)
         waiter: asyncio.Future[Refusal | None] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = waiter
         self._apply(outcome)
@@ -186,16 +191,17 @@ class AdmissionControl:
                 refusal.retry_after_s,
             )
         self._record(ticket, ADMITTED)
-        return self._seated(ticket, ctx)
+        return self._seated(ticket, ctx, send)
 
-    def _seated(self, ticket: Ticket, ctx: RequestContext) -> Seat:
-        seat = Seat(self, ticket, ctx)
+    def _seated(self, ticket: Ticket, ctx: RequestContext, send: Send) -> Seat:
+        seat = Seat(self, ticket, ctx, send if ticket.resumable else None)
         if ticket.resumable:
             self._pausable[ticket.id] = seat
         return seat
 
-    async def paused(self, ticket: Ticket) -> Ticket:
-        """``ticket``'s stream stopped at its engine: wait for its seat again (``Seat.pause``)."""
+    async def paused(self, ticket: Ticket, send: Send | None = None) -> Ticket:
+        """``ticket``'s stream stopped at its engine: wait for its seat again (``Seat.pause``), keeping its
+        client's stream alive (``send``: its head went out already)."""
         waiter: asyncio.Future[Refusal | None] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = waiter
         self.metrics.paused(ticket.klass)
@@ -203,7 +209,7 @@ class AdmissionControl:
         again = self.scheduler.waiting_ticket(ticket.id) or ticket
         try:
             if not waiter.done():
-                await self._wait(again, waiter, None)
+                await self._wait(again, waiter, send, "paused, waiting for")
         except BaseException:  # the client left while its stream was paused
             self._gone(again, waiter)
             raise
@@ -278,7 +284,15 @@ class AdmissionControl:
 
     # -- inside -------------------------------------------------------------------------------------
 
-    async def _wait(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None], send: Send | None) -> None:
+    async def _wait(
+        self,
+        ticket: Ticket,
+        waiter: asyncio.Future[Refusal | None],
+        send: Send | None,
+        what: str = "waiting for",
+    ) -> None:
+        """Until ``waiter`` is decided or the class's timeout; a stream is sent ``: <what> <backend> (N s)``
+        every ``keepalive_s`` (its head first, unless it went out already)."""
         deadline = ticket.arrived + self.specs[ticket.klass].timeout_s
         stream = send if isinstance(send, EarlyHeadSend) else None
         while not waiter.done():
@@ -290,7 +304,7 @@ class AdmissionControl:
             if stream is not None and not waiter.done() and deadline > time.monotonic():
                 await stream.head()
                 waited = time.monotonic() - ticket.arrived
-                await stream.comment(f"waiting for {ticket.backend} ({waited:.0f} s)")
+                await stream.comment(f"{what} {ticket.backend} ({waited:.0f} s)")
 
     def _gone(self, ticket: Ticket, waiter: asyncio.Future[Refusal | None]) -> None:
         """The client left while waiting: out of the queue, or the seat just granted given back."""

@@ -8,8 +8,9 @@ phase once; nothing is attached afterwards (``__slots__``).
 - admission: the modules' ``Admission`` (a request for an on-demand engine waits for it);
 - route: the route filters' ineligible backends, the route inputs' plan (or a snapshot of the candidates),
   the pure policy's ``Decision``, the pin committed to the store under ``ctx.affinity_key``;
-- seat: the ``BackendAdmission`` modules: the attempt waits for room on the backend chosen (per attempt;
-  released when the attempt is abandoned or the request finished);
+- seat: the attempt's lease on the backend chosen is taken (routing's load counts it from now), then the
+  ``BackendAdmission`` modules: the attempt waits for room there (per attempt; released when the attempt is
+  abandoned or the request finished);
 - prepare: the ``PrepareStep`` modules shape the attempt's ``Draft`` for the chosen backend (per attempt, from
   the original body; untouched bodies go upstream as the client's own bytes);
 - send: one upstream attempt, transport errors mapped here and nowhere else. A connect error, timeout or 5xx
@@ -282,9 +283,28 @@ class Proxy:
     # -- backend admission ----------------------------------------------------------------------------
 
     async def _seat(self, ctx: RequestContext, backend: str, send: Send) -> None:
-        """Wait for room on ``backend`` (each ``BackendAdmission``); released by ``_release_seats``."""
-        for seating in self.phases.seating:
-            ctx.seats = (*ctx.seats, await seating.seat(ctx, backend, send))
+        """Count the request on ``backend``, then wait for room there (each ``BackendAdmission``); released
+        by ``_release_seats``.
+
+        The lease (in flight, and the ttft policy's queued prefill) is taken before the wait, so the load
+        routing sees on a backend includes the requests waiting for admission there, as it includes those
+        waiting in an engine's own queue when admission is off: turning admission on does not hide a queue
+        from the policy. A request refused (or whose client left) while waiting gives the lease back."""
+        self._claim(ctx, backend)
+        try:
+            for seating in self.phases.seating:
+                ctx.seats = (*ctx.seats, await seating.seat(ctx, backend, send))
+        except BaseException:
+            if ctx.lease is not None:
+                ctx.lease.release()
+                ctx.lease = None  # counted as before routing: no backend served it
+            raise
+
+    def _claim(self, ctx: RequestContext, backend_id: str) -> None:
+        ctx.lease = self.registry.lease(backend_id)
+        inputs = self.phases.route_inputs
+        if inputs is not None and ctx.route is not None:
+            inputs.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
 
     @staticmethod
     def _release_seats(ctx: RequestContext) -> None:
@@ -296,10 +316,6 @@ class Proxy:
 
     async def _attempt(self, ctx: RequestContext, backend_id: str) -> Sent:
         backend = self.registry.backends[backend_id]
-        ctx.lease = self.registry.lease(backend_id)
-        inputs = self.phases.route_inputs
-        if inputs is not None and ctx.route is not None:
-            inputs.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
         ctx.attempt = attempt = Attempt(backend, Draft(ctx.body), ctx.path)
         payload = ctx.raw
         if ctx.body is not None:  # only bodies an endpoint owns are shaped; passthrough bodies go as they are

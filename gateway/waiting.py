@@ -147,10 +147,11 @@ class EarlyHeadSend:
         self._errors = errors  # the route's: how its stream ends with an error
         self._error: tuple[int, bytearray] | None = None  # an error response being turned into an SSE event
         self._early = self._head_seen = False
+        self._started = False  # a head went through as it was (the answer is under way)
 
     async def head(self) -> None:
-        """Answer the 200 SSE head now (once: a second call does nothing)."""
-        if self._early:
+        """Answer the 200 SSE head now (once: a second call does nothing, nor one after a head went out)."""
+        if self._early or self._started:
             return
         headers = [(b"content-type", SSE), (b"cache-control", b"no-cache")]
         self._early = True
@@ -161,6 +162,8 @@ class EarlyHeadSend:
 
     async def __call__(self, message: Message) -> None:
         if not self._early:
+            if not self._started and message["type"] == "http.response.start":
+                self._started = True
             await self._send(message)
             return
         if message["type"] == "http.response.start" and not self._head_seen:

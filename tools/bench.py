@@ -93,7 +93,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     sim.add_argument("--prefill-tps", type=float, default=s.prefill_tps)
     sim.add_argument("--decode-tps", type=float, default=s.decode_tps)
-    sim.add_argument("--max-running", type=int, default=s.max_running)
+    sim.add_argument("--max-running", type=int, default=s.max_running,
+                     help="requests an engine runs at once, the rest wait (scenarios: also each backend's "
+                     "bound under +admission)")  # fmt: skip
     sim.add_argument("--cache-tokens", type=int, default=s.cache_tokens)
     sim.add_argument("--kv-events", action="store_true",
                      help="engines publish KV cache events; the gateway subscribes (scenarios: adds a "
@@ -269,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scenario:
         names = list(bench_scenarios.SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
         profile = SimProfile(prefill_tps=args.prefill_tps, decode_tps=args.decode_tps,
-                             cache_tokens=args.cache_tokens, answer_tokens=(16, 32))  # fmt: skip
+                             cache_tokens=args.cache_tokens, max_running=args.max_running,
+                             answer_tokens=(16, 32))  # fmt: skip
         with sigterm_as_interrupt():
             out = str(args.json) if args.json else None
             bench_scenarios.ROUTING_OVERRIDES.update(_routing_overrides(args.routing))

@@ -1,10 +1,17 @@
 """``warmroute bench --scenario NAME``: routing v2's scenarios on simulated engines, against their targets.
 
 Every scenario starts its own simulated engines (serial prefill: a queue is real there), then runs each
-variant (a policy, optionally given the engines' true speeds as weights (``+weights``) or subscribed to
-the engines' KV cache events (``+kv``: ``--kv-events`` adds ``ttft+kv`` to every scenario); ``oracle``
-sends conversation i straight to engine i mod K) for a few rounds, order rotating, caches reset between
-runs. Numbers are medians over rounds; ratios compare variants of the same round set on the same machine.
+variant (a policy, optionally given the engines' true speeds as weights (``+weights``), subscribed to
+the engines' KV cache events (``+kv``: ``--kv-events`` adds ``ttft+kv`` to every scenario), or with
+admission on (``+admission``: every backend admits as many requests as the simulated engine runs at once,
+``--max-running``, the rest waiting in the gateway; no client keys, so one class and one client);
+``oracle`` sends conversation i straight to engine i mod K) for a few rounds, order rotating, caches reset
+between runs. Numbers are medians over rounds; ratios compare variants of the same round set on the same
+machine. ``cold_followups`` counts follow-ups served by another engine than the conversation's previous
+turn (moved); ``missed_followups`` those whose engine had less than ``MISSED_SHARE`` of the previous turn's
+prompt cached (a re-prefill, wherever served); with admission on, ``queued`` counts requests that waited
+in the gateway's queue longer than 5 ms and ``queued_ms_mean`` the mean wait over all admitted requests
+(the gateway's ``warmroute_admission_wait_seconds``).
 ``policy@key=value;…`` adds routing settings; ``policy%NAME`` runs the gateway from the checkout given as
 ``--tree NAME=PATH``, so two versions of the routing code are compared within one run.
 
@@ -55,6 +62,7 @@ EVENT_AT_S = float(os.environ.get("WARMROUTE_BENCH_EVENT_AT_S", "8"))  # the joi
 ROUTING_OVERRIDES: dict[str, Any] = {}  # ``--routing KEY=VALUE`` of the command line, for every gateway
 VARIANTS: list[str] = []  # ``--variants``: replaces every scenario's own list
 KV_EVENTS: list[bool] = [False]  # ``--kv-events``: every scenario also runs ``ttft+kv``
+MISSED_SHARE = 0.9  # a follow-up whose engine had less of the previous turn's prompt cached re-read it
 TREES: dict[str, Path] = {}  # ``--tree NAME=PATH``: ``policy%NAME`` runs that checkout's gateway
 gateways_started: list[str] = []
 
@@ -129,15 +137,27 @@ SCENARIOS: dict[str, Scenario] = {
 # -- processes ----------------------------------------------------------------------------------------------
 
 
+EXTRAS = frozenset({"weights", "kv", "admission"})
+
+
 def _extras(variant: str) -> set[str]:
-    """``weights`` and/or ``kv`` of ``policy+weights+kv@settings%tree``."""
-    return set(variant.partition("%")[0].partition("@")[0].split("+")[1:])
+    """``weights``, ``kv`` and/or ``admission`` of ``policy+weights+kv+admission@settings%tree``."""
+    extras = set(variant.partition("%")[0].partition("@")[0].split("+")[1:])
+    if unknown := extras - EXTRAS:
+        raise SystemExit(f"warmroute bench: unknown variant extras {sorted(unknown)} in {variant!r}")
+    return extras
+
+
+def admission_config(max_in_flight: int) -> dict[str, Any]:
+    """``+admission``: what a user would write for these engines: each backend's bound is its engine's
+    batch (the simulator's ``--max-running``, vLLM's ``max_num_seqs``); one class (no client keys)."""
+    return {"enabled": True, "max_in_flight": max_in_flight}
 
 
 def parse_variant(variant: str) -> tuple[str, set[str], dict[str, Any], Path | None]:
-    """``policy[+weights][+kv][@key=value;key=value][%tree]``: the policy, its extras, the extra routing
-    settings, and the checkout (``--tree``) whose gateway runs it (None: this one). Settings and trees make
-    variants of one policy, so two versions of the routing code are compared within one run."""
+    """``policy[+weights][+kv][+admission][@key=value;key=value][%tree]``: the policy, its extras, the extra
+    routing settings, and the checkout (``--tree``) whose gateway runs it (None: this one). Settings and
+    trees make variants of one policy, so two versions of the routing code are compared within one run."""
     rest, _, tree = variant.partition("%")
     name, _, settings = rest.partition("@")
     overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in settings.split(";") if s)}
@@ -184,8 +204,10 @@ def start_gateway(
     name: str,
     overrides: dict[str, Any] | None = None,
     kv_events: bool = False,
+    admission: int | None = None,
     source: Path | None = None,
 ) -> Child:
+    """A gateway in front of ``engines``; ``admission``: on, each backend admitting that many at once."""
     port = free_port()
     backends = [
         {"id": e.id, "url": e.url, "models": [MODEL], **({"weight": w} if weights else {}),
@@ -202,6 +224,8 @@ def start_gateway(
         "health": {"interval_s": 1, "timeout_s": 2, "fail_threshold": 2},
         "redis": {"url": None},
     }
+    if admission is not None:
+        config["admission"] = admission_config(admission)
     path = launch.workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))
     argv = launch_python("-m", "gateway.cli", "serve", "--config", str(path))
@@ -242,6 +266,7 @@ async def run_variant(
     variant: str,
     round_: int,
     time_scale: float,
+    max_running: int,
 ) -> dict[str, Any]:
     policy, extras, overrides, source = parse_variant(variant)
     for e in engines:
@@ -260,6 +285,7 @@ async def run_variant(
             f"gw-{round_}-{len(gateways_started)}",
             overrides,
             kv_events="kv" in extras,
+            admission=max_running if "admission" in extras else None,
             source=source,
         )
         gateways_started.append(variant)
@@ -282,10 +308,11 @@ async def run_variant(
         event.cancel()
         wall = time.monotonic() - t0
         reasons = await _reasons(client, gateway) if gateway is not None else {}
+        queued = await _queued(client, gateway) if "admission" in extras and gateway is not None else {}
     finally:
         if gateway is not None:
             launch.stop(gateway)
-    return {**summarize(records, engines, sc, event_at, wall, time_scale), "reasons": reasons}
+    return {**summarize(records, engines, sc, event_at, wall, time_scale), **queued, "reasons": reasons}
 
 
 async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:
@@ -298,6 +325,33 @@ async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:
             if (n := int(float(line.rsplit(" ", 1)[1]))) > 0:
                 out[reason] = n
     return out
+
+
+async def _queued(client: httpx.AsyncClient, gateway: Child) -> dict[str, Any]:
+    """Admitted requests' wait in the gateway's queue (``warmroute_admission_wait_seconds``, all classes)."""
+    return queued_from_metrics((await client.get(f"{gateway.url}/metrics")).text)
+
+
+def queued_from_metrics(text: str) -> dict[str, Any]:
+    prefix = "warmroute_admission_wait_seconds"
+    admitted = 'outcome="admitted"'
+    total = count = fast = 0.0
+    for line in text.splitlines():
+        if not line.startswith(prefix) or admitted not in line:
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if line.startswith(prefix + "_sum"):
+            total += value
+        elif line.startswith(prefix + "_count"):
+            count += value
+        elif line.startswith(prefix + "_bucket") and 'le="0.005"' in line:
+            fast += value
+    return {
+        "admitted": int(count),
+        "queued": int(count - fast),  # waited longer than 5 ms
+        "queued_ms_mean": 1000 * total / count if count else None,
+        "queued_s_total": total,
+    }
 
 
 async def _event(
@@ -345,7 +399,8 @@ def summarize(
         if any(first_counts)
         else None,
         "split": counts,
-        "cold_followups": sum(1 for r in ok if r.warm is False),
+        "cold_followups": sum(1 for r in ok if r.warm is False),  # moved: another engine than the last turn
+        "missed_followups": _missed(ok),
         # prefill work the engines did (usage: prompt - cached), thousands of tokens
         "uncached_ktok": sum((r.result.prompt_tokens or 0) - (r.result.cached_tokens or 0) for r in ok)
         / 1000,
@@ -353,6 +408,17 @@ def summarize(
     if event_at is not None:
         out.update(_event_shares(ok, engines, sc, event_at, time_scale))
     return out
+
+
+def _missed(ok: Sequence[TurnRecord]) -> int:
+    """Follow-ups whose engine had less than ``MISSED_SHARE`` of the previous turn's prompt cached."""
+    prompts = {(r.conversation, r.turn): r.result.prompt_tokens for r in ok}
+    missed = 0
+    for r in ok:
+        before = prompts.get((r.conversation, r.turn - 1)) if r.turn > 1 else None
+        if before and (r.result.cached_tokens or 0) < MISSED_SHARE * before:
+            missed += 1
+    return missed
 
 
 def _max_mean(counts: Sequence[int]) -> float | None:
@@ -406,7 +472,9 @@ async def run_scenario(name: str, rounds: int, time_scale: float, profile: SimPr
             for round_ in range(1, rounds + 1):
                 shift = (round_ - 1) % len(sc.variants)
                 for variant in [*sc.variants[shift:], *sc.variants[:shift]]:
-                    result = await run_variant(client, launch, engines, sc, variant, round_, time_scale)
+                    result = await run_variant(
+                        client, launch, engines, sc, variant, round_, time_scale, profile.max_running
+                    )
                     print(f"  {name} {variant} round {round_}: {_brief(result)}", flush=True)
                     runs[variant].append(result)
     return {
@@ -428,6 +496,9 @@ def _brief(result: dict[str, Any]) -> str:
         "load_max_mean",
         "turn1_load_max_mean",
         "cold_followups",
+        "missed_followups",
+        "queued",
+        "queued_ms_mean",
         "uncached_ktok",
         "joined_vs_fair",
         "slowed_share_before",

@@ -123,3 +123,73 @@ async def test_an_interactive_turn_pauses_a_batch_stream_which_resumes_whole(sim
         assert all(admission.scheduler.depth(k) == 0 for k in admission.scheduler.classes())
         stats = (await c.get(slow + "/sim/stats")).json()
         assert (stats["running"], stats["waiting"], stats["finished"]["abort"]) == (0, 0, 1)  # the pause
+
+
+class RawStream(Stream):
+    """A stream read byte for byte: its SSE comments too (``commented`` is set at the first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw = bytearray()
+        self.commented = asyncio.Event()
+
+    async def read(self, c: httpx.AsyncClient, url: str, body: dict[str, Any], key: str | None) -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for data in r.aiter_bytes():
+                self.raw += data
+                if self.raw.count(b"data: ") >= 3:  # the role chunk and content
+                    self.first.set()
+                if self.raw.find(b"\n: ") >= 0:
+                    self.commented.set()
+        for event in bytes(self.raw).split(b"\n\n"):
+            if event == b"data: [DONE]":
+                self.done += 1
+            elif event.startswith(b"data: "):
+                self.chunks.append(json.loads(event[6:]))
+
+
+async def test_a_paused_stream_is_kept_alive_with_comments_and_then_resumes_whole(sims: SimFactory) -> None:
+    """One slot: the turn pauses the batch stream and holds the engine until the test has seen the paused
+    stream's keep-alive comment; then the turn's client leaves, and the batch stream resumes."""
+    one = ["--max-running", "1", "--time-scale", "1", "--decode-tps", "50", "--seed", "7"]
+    slow, reference = sims(one, ["--seed", "7"])
+    admission = {**ADMISSION, "max_in_flight": 1, "keepalive_s": 0.05}
+    async with (
+        gateway([backend("sim", slow)], auth={"client_keys": KEYS}, admission=admission) as (url, gw),
+        httpx.AsyncClient(timeout=60) as c,
+    ):
+        batch = RawStream()
+        reading = asyncio.create_task(batch.read(c, url, chat("summarise document 1", 200), "key-flood"))
+        await batch.first.wait()
+        assert not batch.commented.is_set()
+
+        async def turn() -> None:  # runs (read as it comes) until the paused stream was kept alive
+            headers = {"authorization": "Bearer key-person"}
+            body = chat("question", 1000)  # 20 s: long past the first comment, however slow the machine
+            async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+                async for _ in r.aiter_bytes():
+                    if batch.commented.is_set():
+                        break  # its client leaves: the engine stops it, the slot frees
+            assert batch.commented.is_set()
+
+        await turn()
+        await reading
+        paused = gw.metrics.registry.get_sample_value("warmroute_admission_paused_total", {"class": "batch"})
+        assert paused == 1.0
+        events = bytes(batch.raw).split(b"\n\n")
+        comments = [e for e in events if e.startswith(b": ")]
+        assert comments and all(e.startswith(b": paused, waiting for sim (") for e in comments)
+        assert all(b"\n" not in e for e in comments)  # each a whole event of its own, between data events
+        first = next(i for i, e in enumerate(events) if e.startswith(b": "))
+        assert first > 0 and events[first + len(comments)].startswith(b"data: ")  # the stream went on after
+
+        whole = Stream()  # the same request, uninterrupted, on an engine of the same seed
+        await whole.read(c, reference, chat("summarise document 1", 200), None)
+        assert batch.text() == whole.text() and len(batch.text().split()) == 200
+        ids = {ch["id"] for ch in batch.chunks}
+        assert (batch.roles(), batch.done, ids) == (1, 1, {batch.chunks[0]["id"]})
+        assert gw.admission is not None
+        await gw.admission.until(lambda: running(gw) == 0)
+        assert gw.registry.total_in_flight() == 0

@@ -10,11 +10,17 @@ from typing import Any
 
 import pytest
 
+from backends.registry import Registry
+from config.settings import load_settings
 from gateway.admission import AdmissionControl
 from gateway.context import RequestContext
-from gateway.metrics import AdmissionMetrics
+from gateway.metrics import AdmissionMetrics, Metrics
 from gateway.shapes.table import CHAT
+from gateway.state import MemoryAffinityStore
+from routing.load import key_seed, rendezvous
+from routing.policies.least_loaded import LeastLoadedPolicy
 from routing.policies.round_robin import RoundRobinPolicy
+from routing.types import BackendState
 
 from proxy_rig import OneBackend, ProxyClient
 from transports import Reply
@@ -162,6 +168,91 @@ async def test_a_client_that_leaves_the_queue_is_never_sent() -> None:
     assert rig.received() == ["a-0", "c-0"]
     await rig.idle()
     assert rig.counter("b", "left") == 1
+
+
+async def test_a_request_waiting_for_admission_counts_in_the_load_routing_sees() -> None:
+    """Routing reads a backend's in-flight count: the requests waiting for admission there are in it, as
+    requests waiting in an engine's own queue are when admission is off; one that leaves is out at once."""
+    rig = Rig()
+    (gate,) = rig.hold(1)
+    running = ProxyClient(rig, context("a", "a-0"))
+    waiting = [ProxyClient(rig, context("b", f"b-{i}")) for i in range(2)]
+    await rig.queued(2)
+
+    def in_flight() -> int:
+        (candidate,) = rig.registry.candidates("m", {}, None, 0.0)
+        return candidate.in_flight
+
+    assert in_flight() == 3
+    waiting[0].leave.set()
+    await waiting[0].task
+    assert in_flight() == 2
+    gate.set()
+    rig.fake.script("http://a", Reply.json({"ok": True}))
+    assert [(await c.answer())[0] for c in (running, waiting[1])] == [200, 200]
+    await rig.idle()
+    assert rig.sample("warmroute_requests_total", backend="", outcome="client_disconnect") == 1
+
+
+async def test_a_new_request_is_routed_away_from_a_backend_whose_admission_queue_is_longer() -> None:
+    """Two backends, one slot each, least-loaded routing: a third request queues on the one its tie-break
+    prefers; a fourth whose tie-break prefers that backend too goes to the other (it sees the queue)."""
+    rig = TwoBackends()
+    for origin in ("http://a", "http://b"):
+        rig.fake.script(origin, *(Reply(200, JSON, [rig.gate, b'{"ok": true}']) for _ in range(3)))
+    first = [ProxyClient(rig, least_loaded("x", f"x-{i}")) for i in range(2)]
+    await rig.admission.until(lambda: all(rig.admission.scheduler.running(b) == 1 for b in "ab"))
+    busy = "a" if _tie_break("x-2", "a", "b") else "b"
+    other = "b" if busy == "a" else "a"
+    third = ProxyClient(rig, least_loaded("x", "x-2"))
+    await rig.queued(1)
+    label = next(f"y-{i}" for i in range(100) if _tie_break(f"y-{i}", busy, other))
+    fourth = ProxyClient(rig, least_loaded("y", label))
+    await rig.queued(2)  # both backends are full: it waits on the one it was routed to
+    rig.gate.set()
+    assert [(await c.answer())[0] for c in (*first, third, fourth)] == [200] * 4
+    served = {json.loads(r.body)["messages"][0]["content"]: r.origin for r in rig.fake.requests}
+    assert (served["x-2"], served[label]) == (f"http://{busy}", f"http://{other}")
+    await rig.idle()
+
+
+def least_loaded(client: str, label: str) -> RequestContext:
+    ctx = context(client, label)
+    ctx.policy = LeastLoadedPolicy()
+    return ctx
+
+
+def _tie_break(key: str, preferred: str, other: str) -> bool:
+    """At equal load, least-loaded routing would send ``key`` to ``preferred``."""
+    seed = key_seed(key)
+    return rendezvous(seed, preferred) < rendezvous(seed, other)
+
+
+class TwoBackends(Rig):
+    """Backends ``a`` and ``b``, one slot each, least-loaded routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        backends = [{"id": b, "url": f"http://{b}", "models": ["m"]} for b in "ab"]
+        self.settings = load_settings(None, backends=backends, admission=self.settings.admission.model_dump())
+        self.affinity = MemoryAffinityStore(self.settings.routing)
+        self.registry = Registry(self.settings.backends, listener=self.affinity)
+        for b in "ab":
+            self.registry.backends[b].state = BackendState.READY
+        self.metrics = Metrics(self.registry)
+        classes = list(self.settings.admission.classes)
+        self.admission = AdmissionControl(
+            self.settings.admission, AdmissionMetrics(self.metrics.registry, classes)
+        )
+        self.proxy = self.build_proxy(self.admission)
+        self.gate = asyncio.Event()
+
+    def idle_backends(self) -> bool:
+        return all(self.admission.scheduler.running(b) == 0 for b in "ab")
+
+    async def idle(self) -> None:
+        await self.admission.until(self.idle_backends)
+        assert self.registry.total_in_flight() == 0 and self.fake.unclosed() == []
 
 
 async def test_a_waiting_stream_gets_keepalive_comments_then_the_engine_stream() -> None:
