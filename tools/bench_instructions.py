@@ -1,6 +1,7 @@
 """Gateway CPU per request in instructions (not a test): the gateway under callgrind, a fixed request count.
 
     python -m tools.bench_instructions [--policies affinity,ttft] [--paths hit,new] [--requests 300]
+                                       [--trees old=../old-checkout,new=.]
 
 Wall-clock CPU on a shared machine is noisy; instruction counts are not. Per policy, one gateway runs under
 ``valgrind --tool=callgrind`` in front of ``tools.bench_proxy``'s upstream, with ``tools.bench_proxy``'s
@@ -9,6 +10,10 @@ bodies (``render``: the same paths, the same bytes). Per path: ``--warmup`` requ
 dump's total divided by the requests is quoted, less what the gateway runs while idle for as long (its timers,
 which valgrind's slowdown would otherwise inflate). Health probes and the ttft policy's engine-signal scrapes
 are made hourly for the same reason (``_SERVE``): natively both cost well under 1 % of a request.
+
+``--trees NAME=PATH,...`` measures the gateway of each checkout (its code first on ``PYTHONPATH``, this
+venv's packages) in front of the same upstream, with this checkout's clients and bodies: two commits
+compared in one run. A row per tree and policy; ratios against the first row.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import functools
 import json
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -72,7 +78,14 @@ def _window(pid: int, folder: Path, work: Callable[[], None]) -> tuple[int, floa
 
 
 def measure(
-    policy: str, paths: list[str], requests: int, warmup: int, idle_s: float, up_port: int
+    policy: str,
+    paths: list[str],
+    requests: int,
+    warmup: int,
+    idle_s: float,
+    up_port: int,
+    tree: Path | None = None,
+    keep: Path | None = None,
 ) -> dict[str, float]:
     """Instructions per request per path (a path asked twice: its cheaper run), less the idle rate's share."""
     out: dict[str, float] = {}
@@ -84,7 +97,9 @@ def measure(
         config.write_text(json.dumps(doc))
         valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={folder}/cg.%p.out"]
         argv = [*valgrind, *python("-c", _SERVE, "serve", "--config", str(config))]
-        with child(argv) as gw:
+        if tree is not None:  # env execs valgrind: the pid callgrind_control is given stays the gateway's
+            argv = ["env", f"PYTHONPATH={tree}", *argv]
+        with child(argv, cwd=tree) as gw:
             wait_http(f"http://127.0.0.1:{gw_port}/readyz", timeout_s=600.0, process=gw)
             url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
             runs: list[tuple[str, int, float]] = []
@@ -104,6 +119,10 @@ def measure(
                 print(f"  {policy} {path}: {per / 1e3:.1f}k raw, {net / 1e3:.1f}k less idle", flush=True)
                 out[path] = min(net, out.get(path, net))
             print(f"  {policy} idle: {rate / 1e3:.0f}k instructions/s", flush=True)
+        if keep is not None:  # the dumps, one per window in order (paths, then idle): callgrind_annotate them
+            keep.mkdir(parents=True, exist_ok=True)
+            for f in folder.glob("cg.*.out*"):
+                shutil.copy2(f, keep / f.name)
     return out
 
 
@@ -115,22 +134,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--idle", type=float, default=20.0, help="seconds idle, to take the timers' rate off")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="copy callgrind's dumps under this folder, one per row")
+    ap.add_argument("--trees", default="", help="NAME=PATH,... : each checkout's gateway (default: this one)")
     args = ap.parse_args(argv)
     policies, paths = args.policies.split(","), args.paths.split(",")
     shown = list(dict.fromkeys(paths))
+    trees: dict[str, Path | None] = {"": None}
+    if args.trees:
+        pairs = [t.split("=", 1) for t in args.trees.split(",") if t.strip()]
+        if any(len(p) != 2 or not Path(p[1], "gateway").is_dir() for p in pairs):
+            ap.error(f"--trees: NAME=PATH pairs, each PATH a checkout with gateway/ (got {args.trees})")
+        trees = {name: Path(path).resolve() for name, path in pairs}
     up_port = free_port()
     results: dict[str, dict[str, float]] = {}
     with child(upstream_argv(up_port)) as up:
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
         for policy in policies:
-            results[policy] = measure(policy, paths, args.requests, args.warmup, args.idle, up_port)
-            print(policy, {p: f"{v / 1e3:.0f}k" for p, v in results[policy].items()}, flush=True)
-    base = results[policies[0]]
+            for name, tree in trees.items():
+                row = f"{name}:{policy}" if name else policy
+                print(f"{row} ({tree or 'this checkout'})", flush=True)
+                keep = None if args.keep is None else args.keep / row.replace(":", "-")
+                results[row] = measure(
+                    policy, paths, args.requests, args.warmup, args.idle, up_port, tree, keep
+                )
+                print(row, {p: f"{v / 1e3:.0f}k" for p, v in results[row].items()}, flush=True)
+    base = next(iter(results.values()))
     print(f"\ninstructions per request (callgrind, {args.requests} requests after {args.warmup} warm-up)")
-    print("policy".ljust(12) + "".join(p.rjust(16) for p in shown))
-    for policy, row in results.items():
+    width = max(12, *(len(r) + 2 for r in results))
+    print("row".ljust(width) + "".join(p.rjust(16) for p in shown))
+    for name, row in results.items():
         cells = "".join(f"{row[p] / 1e3:9.0f}k {row[p] / base[p]:4.2f}x" for p in shown)
-        print(policy.ljust(12) + cells)
+        print(name.ljust(width) + cells)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
