@@ -21,6 +21,10 @@ affinity entries (if /readyz shows them), its routing decisions (a check that th
 or all claims) and, per run, its garbage-collector pauses (``gc.callbacks`` installed by a wrapper around
 the same ``warmroute serve``, read back on SIGUSR1; ``--no-gc-probe`` runs the plain command).
 
+``--trees old=../other-checkout,new=.``: one gateway per checkout (its code first on ``PYTHONPATH``, this
+venv's packages), each round running direct and then every gateway, so two commits are compared in one run
+(a table per checkout, then their CPU per request side by side; no GC probe in this mode).
+
 On a 2-core machine the three processes share the cores, so throughput is a lower bound, and a machine
 shared with other work makes every number noisy: compare direct vs gateway and path vs path in one run.
 """
@@ -280,39 +284,48 @@ def python_sequential(url: str, path: str, seconds: float) -> Run:
 class Bench:
     scripts: Scripts | None  # None: no wrk, the Python client at 1 connection only
     direct: str
-    through: str
-    gateway: Gateway
+    gateways: dict[
+        str, tuple[str, Gateway]
+    ]  # name -> (its URL, the process): one, or one per --trees checkout
     seconds: float
     rounds: int
     concurrency: int
 
-    def run(self, url: str, path: str, connections: int) -> Run:
-        via_gateway = url == self.through
-        if via_gateway:
-            self.gateway.gc_pauses()  # starts the probe's count afresh
-        cpu0 = self.gateway.cpu_seconds()
+    def run(self, url: str, path: str, connections: int, gateway: Gateway | None = None) -> Run:
+        if gateway is not None:
+            gateway.gc_pauses()  # starts the probe's count afresh
+            cpu0 = gateway.cpu_seconds()
         if self.scripts is None:
             run = python_sequential(url, path, self.seconds)
         else:
             run = self.scripts.wrk(url, path, connections, self.seconds)
-        if via_gateway:
-            run.cpu_us_per_request = (self.gateway.cpu_seconds() - cpu0) / run.requests * 1e6
-            run.gc = self.gateway.gc_pauses()
+        if gateway is not None:
+            run.cpu_us_per_request = (gateway.cpu_seconds() - cpu0) / run.requests * 1e6
+            run.gc = gateway.gc_pauses()
         return run
 
-    def path(self, path: str) -> PathResult:
-        result, before = PathResult(path), self.gateway.decisions()
+    def path(self, path: str) -> dict[str, PathResult]:
+        """One result per gateway; every round runs direct, then each gateway in turn (the same direct runs
+        are every gateway's reference)."""
+        results = {name: PathResult(path) for name in self.gateways}
+        before = {name: gw.decisions() for name, (_, gw) in self.gateways.items()}
         for n in [1] if self.scripts is None else [1, self.concurrency]:
-            runs: dict[str, list[Run]] = {"direct": [], "gateway": []}
-            for _ in range(self.rounds):  # interleaved: a slow spell on the machine hits both sides
-                runs["direct"].append(self.run(self.direct, path, n))
-                runs["gateway"].append(self.run(self.through, path, n))
-            (result.sequential if n == 1 else result.concurrent).update(runs)
-        after = self.gateway.decisions()
-        result.decisions = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
-        result.claims_so_far = sum(after.get(reason, 0.0) for reason in NEW_REASONS)
-        result.rss_after_bytes, result.entries_after = self.gateway.rss_bytes(), self.gateway.entries()
-        return result
+            direct: list[Run] = []
+            through: dict[str, list[Run]] = {name: [] for name in self.gateways}
+            for _ in range(self.rounds):  # interleaved: a slow spell on the machine hits every side
+                direct.append(self.run(self.direct, path, n))
+                for name, (url, gw) in self.gateways.items():
+                    through[name].append(self.run(url, path, n, gw))
+            for name, result in results.items():
+                (result.sequential if n == 1 else result.concurrent).update(
+                    {"direct": direct, "gateway": through[name]}
+                )
+        for name, (_, gw) in self.gateways.items():
+            result, after, was = results[name], gw.decisions(), before[name]
+            result.decisions = {k: v - was.get(k, 0.0) for k, v in after.items() if v > was.get(k, 0.0)}
+            result.claims_so_far = sum(after.get(reason, 0.0) for reason in NEW_REASONS)
+            result.rss_after_bytes, result.entries_after = gw.rss_bytes(), gw.entries()
+        return results
 
 
 _DESCRIPTIONS = {
@@ -327,20 +340,24 @@ def main(argv: list[str] | None = None) -> int:
     have_wrk = shutil.which("wrk") is not None
     if not have_wrk:
         print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
-    up_port, gw_port = free_port(), free_port()
+    up_port = free_port()
     tmp_dir = tempfile.TemporaryDirectory(prefix="bench-proxy-", ignore_cleanup_errors=True)
-    with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateway before upstream
+    with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateways before upstream
         up = children.enter_context(child(upstream_argv(up_port)))
-        config = Path(tmp, "gw.yaml")
-        config.write_text(json.dumps(_gateway_config(gw_port, up_port, args.policy)))
-        gc_file = Path(tmp, "gc.json") if args.gc_probe else None
-        gw_proc = children.enter_context(child(_gateway_argv(config, gc_file)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
-        wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
-        gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
-        direct, through = (f"http://127.0.0.1:{p}/v1/chat/completions" for p in (up_port, gw_port))
+        gateways: dict[str, tuple[str, Gateway]] = {}
+        for name, tree in (args.trees or {"gateway": None}).items():
+            gw_port = free_port()
+            config = Path(tmp, f"gw-{len(gateways)}.yaml")
+            config.write_text(json.dumps(_gateway_config(gw_port, up_port, args.policy)))
+            gc_file = Path(tmp, f"gc-{len(gateways)}.json") if args.gc_probe else None
+            gw_proc = children.enter_context(child(_gateway_argv(config, gc_file, tree), cwd=tree))
+            wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
+            gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
+            gateways[name] = (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw)
+        direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
         scripts = Scripts(Path(tmp)) if have_wrk else None
-        doc = _run(Bench(scripts, direct, through, gw, args.seconds, args.rounds, args.concurrency), args)
+        doc = _run(Bench(scripts, direct, gateways, args.seconds, args.rounds, args.concurrency), args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2))
@@ -357,7 +374,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--policy", default="ttft", help="the gateway's routing policy (ttft, affinity, ...)")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
+    ap.add_argument(
+        "--trees",
+        default="",
+        help="NAME=PATH,...: one gateway per checkout (its code first on PYTHONPATH, this venv), interleaved "
+        "in every round; no GC probe (it imports this checkout's tools)",
+    )
     args = ap.parse_args(argv)
+    trees: dict[str, Path] = {}
+    for item in filter(None, (t.strip() for t in args.trees.split(","))):
+        name, _, path = item.partition("=")
+        if not name or not Path(path, "gateway").is_dir() or name in trees:
+            ap.error(f"--trees: distinct NAME=PATH pairs, each PATH a checkout with gateway/ (got {item!r})")
+        trees[name] = Path(path).resolve()
+    args.trees = trees
+    if trees:
+        args.gc_probe = False
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not args.paths or set(args.paths) - set(PATHS) or len(set(args.paths)) != len(args.paths):
         ap.error(f"--paths: distinct names from {', '.join(PATHS)} (got {args.paths})")
@@ -366,8 +398,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
+def _gateway_argv(config: Path, gc_file: Path | None, tree: Path | None = None) -> list[str]:
     serve = ("serve", "--config", str(config))
+    if tree is not None:  # env execs python: the pid whose CPU is read stays the gateway's
+        return ["env", f"PYTHONPATH={tree}", *python("-m", "gateway.cli", *serve)]
     if gc_file is None:
         return python("-m", "gateway.cli", *serve)
     return python("-c", _PROBED, str(gc_file), *serve)
@@ -386,31 +420,73 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     sizes = {len(render(p, "0" * TOKEN_WIDTH)[1]) for p in PATHS}
     assert len(sizes) == 1, f"bodies differ in size between paths: {sizes}"
     probe = ", GC probe on" if args.gc_probe else ""
+    names = list(bench.gateways)
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
     print(f"gateway: 1 uvicorn worker, {args.policy} policy, in-memory state{probe}; all on 127.0.0.1")
+    if args.trees:
+        print("checkouts, one gateway each: " + ", ".join(f"{n}={p}" for n, p in args.trees.items()))
     print(
         f"request body: {min(sizes)} bytes on every path; {args.rounds} rounds of {args.seconds:g} s a run;"
     )
     print("direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy.")
-    rss_start = bench.gateway.rss_bytes()
+    rss_start = {name: gw.rss_bytes() for name, (_, gw) in bench.gateways.items()}
     if bench.scripts is not None:
-        bench.scripts.wrk(bench.through, "hit", 4, min(2.0, args.seconds))  # warm pools and code paths
-    results: list[PathResult] = []
+        for url, _ in bench.gateways.values():
+            bench.scripts.wrk(url, "hit", 4, min(2.0, args.seconds))  # warm pools and code paths
+    results: dict[str, list[PathResult]] = {name: [] for name in names}
     for path in args.paths:
         print(f"\n[{path}] {_DESCRIPTIONS[path]}")
-        results.append(bench.path(path))
-        print(path_lines(results[-1], args.concurrency))
-    print("\n" + table(results, rss_start, args.concurrency))
+        for name, result in bench.path(path).items():
+            results[name].append(result)
+            print((f"  ({name})\n" if args.trees else "") + path_lines(result, args.concurrency))
     doc: dict[str, Any] = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trees"},
         "wrk": bench.scripts is not None,
         "body_bytes": min(sizes),
-        "gateway_rss_start_bytes": rss_start,
-        "paths": {r.path: {**asdict(r), "medians": medians(r)} for r in results},
     }
-    doc["targets"], lines = targets(doc["paths"])
-    print("\n".join(lines))
+    docs: dict[str, Any] = {}
+    for name in names:
+        print(
+            ("\n" + f"== {name}" if args.trees else "")
+            + "\n"
+            + table(results[name], rss_start[name], args.concurrency)
+        )
+        one: dict[str, Any] = {
+            "gateway_rss_start_bytes": rss_start[name],
+            "paths": {r.path: {**asdict(r), "medians": medians(r)} for r in results[name]},
+        }
+        one["targets"], lines = targets(one["paths"])
+        print("\n".join(lines))
+        docs[name] = one
+    if not args.trees:
+        return {**doc, **docs[names[0]]}
+    doc["trees"] = {name: str(path) for name, path in args.trees.items()}
+    doc["gateways"] = docs
+    print("\n" + _compare(results, args.concurrency))
     return doc
+
+
+def _compare(results: dict[str, list[PathResult]], connections: int) -> str:
+    """Gateway CPU per request per checkout (medians over rounds), each against the first checkout's."""
+    names = list(results)
+    at = f"{connections} connections" if results[names[0]][0].concurrent else "1 connection"
+    lines = [f"gateway CPU per request at {at} (us, median of rounds; ratio to {names[0]})"]
+    lines.append("path".ljust(14) + "".join(n.rjust(18) for n in names))
+    for k, path_result in enumerate(results[names[0]]):
+        base = _cpu(path_result)
+        cells = []
+        for name in names:
+            cpu = _cpu(results[name][k])
+            ratio = f" {cpu / base:5.3f}x" if cpu is not None and base else ""
+            cells.append(f"{cpu:10.1f}{ratio}".rjust(18) if cpu is not None else "-".rjust(18))
+        lines.append(path_result.path.ljust(14) + "".join(cells))
+    return "\n".join(lines)
+
+
+def _cpu(r: PathResult) -> float | None:
+    """The N-connection median, or the 1-connection one without wrk."""
+    m = medians(r)["gateway"]
+    return m["cpu_us_per_request"] if m["cpu_us_per_request"] is not None else m["seq_cpu_us_per_request"]
 
 
 if __name__ == "__main__":

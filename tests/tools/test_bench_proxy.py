@@ -120,6 +120,25 @@ def test_tiny_run_reports_both_paths_and_the_gateway_really_claimed_or_hit(tmp_p
     assert set(doc["targets"]["new"]) == {"rps", "cpu_us_per_request", "p99_ms"}
 
 
+@needs_wrk
+@pytest.mark.needs("wrk")
+def test_trees_run_one_gateway_per_checkout_each_round_and_compare_their_cpu(tmp_path: Path) -> None:
+    out, here = tmp_path / "proxy.json", str(Path(__file__).resolve().parents[2])
+    argv = [sys.executable, "-m", "tools.bench_proxy", "--seconds", "1", "--rounds", "2", "--paths", "new"]
+    argv += ["--trees", f"a={here},b={here}", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "== a" in done.stdout and "== b" in done.stdout and "ratio to a" in done.stdout
+    doc = json.loads(out.read_text())
+    assert doc["trees"] == {"a": here, "b": here} and list(doc["gateways"]) == ["a", "b"]
+    a, b = (doc["gateways"][n]["paths"]["new"] for n in ("a", "b"))
+    assert a["concurrent"]["direct"] == b["concurrent"]["direct"]  # one direct run per round, shared
+    assert len(a["concurrent"]["gateway"]) == len(b["concurrent"]["gateway"]) == 2
+    for p in (a, b):  # each gateway served its own runs: every request a new conversation there
+        assert set(p["decisions"]) == {"new_cheapest"}
+        assert p["decisions"]["new_cheapest"] >= sum(r["requests"] for r in p["concurrent"]["gateway"])
+
+
 def run(p50: float, p99: float, **kw: Any) -> Run:
     return Run(requests=1000, seconds=2.0, p50_ms=p50, p99_ms=p99, **kw)
 
