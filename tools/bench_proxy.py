@@ -23,7 +23,8 @@ the same ``warmroute serve``, read back on SIGUSR1; ``--no-gc-probe`` runs the p
 
 ``--trees old=../other-checkout,new=.``: one gateway per checkout (its code first on ``PYTHONPATH``, this
 venv's packages), each round running direct and then every gateway, so two commits are compared in one run
-(a table per checkout, then their CPU per request side by side; no GC probe in this mode).
+(a table per checkout, then their CPU per request side by side; no GC probe in this mode). ``--policy
+affinity,ttft`` likewise runs one gateway per policy (per checkout, with ``--trees``).
 
 On a 2-core machine the three processes share the cores, so throughput is a lower bound, and a machine
 shared with other work makes every number noisy: compare direct vs gateway and path vs path in one run.
@@ -346,10 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         up = children.enter_context(child(upstream_argv(up_port)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
         gateways: dict[str, tuple[str, Gateway]] = {}
-        for name, tree in (args.trees or {"gateway": None}).items():
+        for name, tree, policy in _gateways(args.trees, args.policies):
             gw_port = free_port()
             config = Path(tmp, f"gw-{len(gateways)}.yaml")
-            config.write_text(json.dumps(_gateway_config(gw_port, up_port, args.policy)))
+            config.write_text(json.dumps(_gateway_config(gw_port, up_port, policy)))
             gc_file = Path(tmp, f"gc-{len(gateways)}.json") if args.gc_probe else None
             gw_proc = children.enter_context(child(_gateway_argv(config, gc_file, tree), cwd=tree))
             wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
@@ -371,7 +372,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--policy", default="ttft", help="the gateway's routing policy (ttft, affinity, ...)")
+    ap.add_argument(
+        "--policy",
+        default="ttft",
+        help="the gateway's routing policy (ttft, affinity, ...); comma-separated: one gateway per policy",
+    )
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--no-gc-probe", dest="gc_probe", action="store_false", help="plain `warmroute serve`")
     ap.add_argument(
@@ -388,6 +393,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--trees: distinct NAME=PATH pairs, each PATH a checkout with gateway/ (got {item!r})")
         trees[name] = Path(path).resolve()
     args.trees = trees
+    args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not args.policies or len(set(args.policies)) != len(args.policies):
+        ap.error(f"--policy: distinct names (got {args.policy!r})")
     if trees:
         args.gc_probe = False
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -396,6 +404,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.concurrency < 1:
         ap.error("--rounds and --concurrency must be >= 1")
     return args
+
+
+def _gateways(trees: dict[str, Path], policies: list[str]) -> list[tuple[str, Path | None, str]]:
+    """(name, checkout or None for this one, policy) per gateway: every checkout with every policy."""
+    out: list[tuple[str, Path | None, str]] = []
+    checkouts: dict[str, Path | None] = {"": None} if not trees else dict(trees)
+    for tree_name, tree in checkouts.items():
+        for policy in policies:
+            parts = [part for part in (tree_name, policy if len(policies) > 1 else "") if part]
+            out.append((":".join(parts) or "gateway", tree, policy))
+    return out
 
 
 def _gateway_argv(config: Path, gc_file: Path | None, tree: Path | None = None) -> list[str]:
@@ -423,6 +442,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     names = list(bench.gateways)
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
     print(f"gateway: 1 uvicorn worker, {args.policy} policy, in-memory state{probe}; all on 127.0.0.1")
+    multi = len(names) > 1
     if args.trees:
         print("checkouts, one gateway each: " + ", ".join(f"{n}={p}" for n, p in args.trees.items()))
     print(
@@ -438,7 +458,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         print(f"\n[{path}] {_DESCRIPTIONS[path]}")
         for name, result in bench.path(path).items():
             results[name].append(result)
-            print((f"  ({name})\n" if args.trees else "") + path_lines(result, args.concurrency))
+            print((f"  ({name})\n" if multi else "") + path_lines(result, args.concurrency))
     doc: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trees"},
         "wrk": bench.scripts is not None,
@@ -447,7 +467,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     docs: dict[str, Any] = {}
     for name in names:
         print(
-            ("\n" + f"== {name}" if args.trees else "")
+            ("\n" + f"== {name}" if multi else "")
             + "\n"
             + table(results[name], rss_start[name], args.concurrency)
         )
@@ -458,7 +478,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         one["targets"], lines = targets(one["paths"])
         print("\n".join(lines))
         docs[name] = one
-    if not args.trees:
+    if not multi:
         return {**doc, **docs[names[0]]}
     doc["trees"] = {name: str(path) for name, path in args.trees.items()}
     doc["gateways"] = docs
