@@ -92,6 +92,8 @@ class Continuation:
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter | None:
         if attempt.translated is not None:
             return None  # stitched as chat inside the translation's filter (``stitch``)
+        if attempt.draft.enforced is None:
+            return None  # the common attempt: no budget enforced here, nothing to stitch
         return self.stitch(ctx, attempt, status)
 
     def stitch(self, ctx: RequestContext, attempt: Attempt, status: int) -> BodyFilter | None:

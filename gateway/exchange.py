@@ -399,9 +399,13 @@ async def _send_head(ctx: RequestContext, send: Send, head: Message, watch: Sile
     watch.chunk_sent()
 
 
+#: Every answer's outcome, loaded once: an enum class attribute is a slow load on 3.11 (backends/breaker.py).
+_OK = RequestOutcome.OK
+
+
 def answered(status: int) -> RequestOutcome:
     if status < 400:
-        return RequestOutcome.OK
+        return _OK
     return RequestOutcome.HTTP_4XX if status < 500 else RequestOutcome.HTTP_5XX
 
 

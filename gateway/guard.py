@@ -159,17 +159,22 @@ class StreamGuard:
         return hit
 
     def _finish_reasons(self, data: bytes, end: int) -> None:
-        key, labels = self._finish.key, self._finish.labels
-        pos = 0
-        while True:
-            pos = data.find(key, pos, end)
-            if pos < 0:
-                return
-            value = _string_at(data, pos + len(key), end)
-            pos += len(key)
-            if value is not None:
-                reason = data[value[0] : value[1]].decode("ascii", "replace")
-                self.finish.append(labels.get(reason, "other"))
+        finish_reasons(data, end, self._finish, self.finish)
+
+
+def finish_reasons(data: bytes, end: int, finish: FinishKey, out: list[str]) -> None:
+    """Append to ``out`` the label of each ``finish`` value in ``data[:end]``."""
+    key, labels = finish.key, finish.labels
+    pos = 0
+    while True:
+        pos = data.find(key, pos, end)
+        if pos < 0:
+            return
+        value = _string_at(data, pos + len(key), end)
+        pos += len(key)
+        if value is not None:
+            reason = data[value[0] : value[1]].decode("ascii", "replace")
+            out.append(labels.get(reason, "other"))
 
 
 @lru_cache(maxsize=8)
@@ -206,8 +211,32 @@ class OutputGuard:
         self.metrics = metrics
 
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter:
+        if not sse:  # a plain body is only scanned for finish reasons: no repetition state to build
+            return _BodyFinish(self.metrics, ctx.shape.finish, attempt.backend.id)
         guard = StreamGuard(self.cfg, text_key=ctx.shape.text_key, sse=sse, finish=ctx.shape.finish)
         return _GuardFilter(self, guard, attempt.backend.id)
+
+
+class _BodyFinish(BodyFilterBase):
+    """A non-streamed answer's guard: its finish reasons, counted once the relay is over (as
+    ``StreamGuard.feed`` scans a plain body: chunk by chunk)."""
+
+    __slots__ = ("backend", "finish", "found", "metrics")
+
+    def __init__(self, metrics: Metrics, finish: FinishKey, backend: str) -> None:
+        self.metrics, self.finish, self.backend = metrics, finish, backend
+        self.found: list[str] = []
+
+    def body(self, data: bytes) -> bytes:
+        finish_reasons(data, len(data), self.finish, self.found)
+        return data
+
+    def continued(self) -> None:
+        self.found.clear()  # as ``_GuardFilter.continued``: the first exchange's "length" was our cut
+
+    def close(self) -> None:
+        if self.found:
+            self.metrics.finished(self.backend, self.found)
 
 
 class _GuardFilter(BodyFilterBase):

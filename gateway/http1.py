@@ -50,6 +50,9 @@ class Connection(asyncio.Protocol):
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
         self._poller: select.poll | None = None  # this socket's, for ``readable`` (made once it is open)
+        # The parser of the last exchange, kept for the next one once that exchange ended cleanly (llhttp
+        # is then at a message start, as a new one is): building a parser per request cost ~1 us.
+        self._spare: httptools.HttpResponseParser | None = None
         self._begin(None, reused=False, head_only=False)
 
     def _begin(self, parser: httptools.HttpResponseParser | None, *, reused: bool, head_only: bool) -> None:
@@ -74,7 +77,8 @@ class Connection(asyncio.Protocol):
     def start(self, data: bytes, body: bytes, *, reused: bool, head_only: bool) -> asyncio.Future[None]:
         """Send one request; the future resolves when the head is parsed or the exchange failed."""
         assert self.transport is not None
-        self._begin(httptools.HttpResponseParser(self), reused=reused, head_only=head_only)
+        parser, self._spare = self._spare or httptools.HttpResponseParser(self), None
+        self._begin(parser, reused=reused, head_only=head_only)
         self.waiter = waiter = asyncio.get_running_loop().create_future()
         if len(body) <= 16384:
             self.transport.write(data + body)  # one send() for the common small request
@@ -88,6 +92,7 @@ class Connection(asyncio.Protocol):
         if not self.ended or not self.keep_alive or self.extra or self.closing or self.error is not None:
             self.abort()
             return False
+        self._spare = self.parser  # it saw the whole response and nothing after it
         self._begin(None, reused=False, head_only=False)
         if self.paused:
             self.resume()

@@ -29,6 +29,8 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 #: Engine response headers a client relies on (rate limits, back-off, redirects, correlation).
 _RELAYED = frozenset({b"retry-after", b"location", b"x-request-id"})
 _RELAYED_PREFIX = (b"x-ratelimit-", b"anthropic-ratelimit-")
+#: ``x-warmroute-route``'s value per reason (an enum's ``value`` is a Python-level property).
+_ROUTE_VALUES = {reason: reason.value.encode() for reason in Reason}
 
 
 def streamed(upstream: TransportResponse) -> bool:
@@ -42,21 +44,28 @@ def response_head(
     """(is it an SSE stream, the ``http.response.start`` message for the client). ``hold_limit``: the body is
     held whole (at most that many bytes) and may be rewritten, so its head goes without the engine's
     content-length, and a body the engine says is larger is refused here (``UpstreamReplyTooLarge``)."""
-    content_type = upstream.header(b"content-type") or b"application/json"
+    content_type = length = None
+    relayed = []
+    for name, value in upstream.headers:  # one pass: the content type is read here too
+        if name == b"content-type":
+            content_type = value if content_type is None else content_type
+        elif name == b"content-length":
+            length = value if length is None else length
+        elif name in _RELAYED or name.startswith(_RELAYED_PREFIX):
+            relayed.append((name, value))
+    content_type = content_type or b"application/json"
     sse = content_type.startswith(SSE)
     headers = [(b"content-type", content_type)]
     if sse:
         headers.append((b"cache-control", b"no-cache"))
-    for name, value in upstream.headers:
-        if name in _RELAYED or name.startswith(_RELAYED_PREFIX):
-            headers.append((name, value))
-        elif name == b"content-length" and not sse:
-            if hold_limit is None:
-                headers.append((name, value))
-            elif value.isdigit() and int(value) > hold_limit:
-                raise reply_too_large(backend, hold_limit)
+    headers += relayed
+    if length is not None and not sse:
+        if hold_limit is None:
+            headers.append((b"content-length", length))
+        elif length.isdigit() and int(length) > hold_limit:
+            raise reply_too_large(backend, hold_limit)
     headers.append((b"x-warmroute-backend", backend.encode()))
-    headers.append((b"x-warmroute-route", reason.value.encode()))
+    headers.append((b"x-warmroute-route", _ROUTE_VALUES[reason]))
     return sse, {"type": "http.response.start", "status": upstream.status, "headers": headers}
 
 

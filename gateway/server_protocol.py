@@ -134,7 +134,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._head_tail = b""  # the last bytes of the head in progress (its end may straddle two reads)
         self._header_count = 0
         self._framing: list[tuple[bytes, bytes]] = []  # the head's headers that frame it (_FRAMING)
-        self._body: BodyFrame = FixedLength(0)
+        # One Content-Length frame per connection, re-armed for each request (its bodies come one after
+        # another): no frame object built per request.
+        self._fixed = FixedLength(0)
+        self._body: BodyFrame = self._fixed
         self._body_bytes = 0
         self._body_start = 0.0  # minus the time we were not reading: the client is not charged for it
         self._body_at = 0.0
@@ -253,7 +256,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._in_body = True
         self._head_bytes = 0
         self._head_tail = b""
-        self._body = _body_frame(self._framing)
+        self._body = _body_frame(self._framing, self._fixed)
         self._body_bytes = 0
         self._body_start = self.loop.time()
         if self._head_timer is not None:
@@ -406,12 +409,14 @@ def _is_healthz(method: bytes, target: bytes) -> bool:
     return method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] == b"/healthz"
 
 
-def _body_frame(headers: list[tuple[bytes, bytes]]) -> BodyFrame:
-    """How the request's body is framed; the parser has checked the header values by now."""
+def _body_frame(headers: list[tuple[bytes, bytes]], fixed: FixedLength) -> BodyFrame:
+    """How the request's body is framed (``fixed`` re-armed, unless it is chunked); the parser has checked
+    the header values by now."""
     length = 0
     for name, value in headers:
         if name == b"transfer-encoding":
             return ChunkedEnd()
         if name == b"content-length" and value.strip().isdigit():
             length = int(value)
-    return FixedLength(length)
+    fixed.left = length
+    return fixed
