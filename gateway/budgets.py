@@ -210,8 +210,10 @@ class BudgetStep:
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
         shaped = draft.edit()
-        if ctx.shape.thinking is ThinkingUse.EFFORT and thinking.effort is not None:
-            # The translation wrote the body's effort; one from the header is the request's all the same.
+        if thinking.effort is not None and ctx.shape.thinking_ask is None:
+            # An effort from the header is the request's as one in the body is (chat's own field, or the one
+            # a translated Responses body got): the engine gets its native effort control either way, and
+            # the dialect's spelling below leaves out an effort it does not take.
             shaped.setdefault(EFFORT_FIELD, thinking.effort)
         if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
             # Phase 2 continues this chat body, not the client's (gateway/translation.py stitches the two

@@ -180,7 +180,25 @@ def test_headers_set_the_budget_and_the_body_wins(gateway: Callable[..., Gw]) ->
     sent = _sent(gateway, "vllm", headers={"x-thinking-budget": "40"}, thinking_budget=41)
     assert sent == _expect(thinking_token_budget=41)
     sent = _sent(gateway, "sglang", headers={"x-reasoning-effort": "low"})
-    assert sent == _expect(custom_params={"thinking_budget": 100})
+    assert sent == _expect(reasoning_effort="low", custom_params={"thinking_budget": 100})
+    sent = _sent(gateway, "vllm", headers={"x-reasoning-effort": "high"}, reasoning_effort="low")
+    assert sent == _expect(reasoning_effort="low", thinking_token_budget=100)
+
+
+@pytest.mark.parametrize(
+    ("dialect", "effort"),
+    [("vllm", "low"), ("vllm", "xhigh"), ("vllm", "none"), ("sglang", "low"), ("sglang", "max"),
+     ("llamacpp", "high"), ("openai", "none"), ("openai", "max")],
+)  # fmt: skip
+def test_a_header_effort_reaches_the_engine_as_the_body_s_would(
+    gateway: Callable[..., Gw], dialect: str, effort: str
+) -> None:
+    """``x-reasoning-effort`` is the request's effort as ``reasoning_effort`` is: the engine gets the same
+    body, its native effort control where the dialect takes that value (SGLang has no ``max``, OpenAI no
+    ``max``: left out, the engine's default), as a translated Responses attempt does."""
+    by_header = _sent(gateway, dialect, headers={"x-reasoning-effort": effort})
+    assert by_header == _sent(gateway, dialect, reasoning_effort=effort)
+    assert ("reasoning_effort" in by_header) == (effort not in {"max"} or dialect == "vllm")
 
 
 def test_untouched_body_goes_as_the_clients_bytes(gateway: Callable[..., Gw]) -> None:
