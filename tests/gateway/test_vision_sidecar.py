@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from config.settings import load_settings
 from gateway.app import Gateway, create_app
 from gateway.sidecar import SidecarHost
 from tools import procs
 
+from clusters import loop_of, wait_on_changes
 from upstreams import PROBE_TIMEOUT_S, FakeEngine, serve
 
 FAKE_SIDECAR = Path(__file__).with_name("vision_fakes.py")
@@ -37,12 +37,7 @@ def _announced(
 ) -> None:
     """Wait until ``check()`` holds, re-checked on the gateway's loop after each change the sidecar's
     lifecycle announces (``SidecarHost.changes``), with the room a Python start-up needs on a busy machine."""
-    done = asyncio.run_coroutine_threadsafe(host.changes.wait(check, START_S), loop)
-    try:
-        done.result(START_S + 5.0)
-    except TimeoutError:
-        done.cancel()
-        pytest.fail(f"{what}: not reached within {START_S} s")
+    wait_on_changes(host.changes, loop, check, what, START_S)
 
 
 def _pid_gone(pid: int) -> bool:
@@ -78,7 +73,7 @@ def test_the_gateway_starts_restarts_and_stops_its_managed_sidecar() -> None:
         assert gw.sidecar is not None
         host = gw.sidecar
         with serve(app) as (url, server):
-            loop = server.servers[0].get_loop()
+            loop = loop_of(server)
             _announced(host, loop, lambda: host.available, "the sidecar available")
             side = httpx.get(url + "/readyz").json()["vision_sidecar"]
             assert (side["state"], side["available"], side["status"]["url"]) == ("ready", True, host.cfg.url)
