@@ -2,7 +2,7 @@
 
 The writers call ``notify`` (synchronous, never awaits): a lifecycle controller through ``Fleet``, the
 fleet when a backend is added or removed, the admin plane when it reconfigures one in place, an affinity
-store when a commit changed a pin. Readers either
+store when a commit changed a pin, the Redis store when it turns degraded or recovers. Readers either
 wait for a state (``wait(predicate)``: the predicate reads the state itself and is re-checked after every
 change) or follow the exact sequence of changes (``subscribe()``: an async iterator of ``Change``).
 
@@ -27,14 +27,15 @@ class ChangeKind(StrEnum):
     REMOVED = "removed"  # a backend was unregistered
     RECONFIGURED = "reconfigured"  # a backend's config changed in place (its weight, at runtime)
     PIN = "pin"  # a conversation's pin was claimed or moved
+    SHARED_STATE = "shared_state"  # the shared state store (Redis) turned degraded, or answers again
 
 
 @dataclass(frozen=True, slots=True)
 class Change:
     version: int
     kind: ChangeKind
-    subject: str  # the backend id (or, for PIN, the conversation key)
-    value: str  # STATE: the new state; PIN: the backend pinned; otherwise ""
+    subject: str  # the backend id (or, for PIN, the conversation key; for SHARED_STATE, the store: "redis")
+    value: str  # STATE: the new state; PIN: the backend pinned; SHARED_STATE: "degraded" or "ok"; else ""
 
 
 class Subscription:

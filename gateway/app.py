@@ -115,7 +115,7 @@ class Gateway:
         )
         # Thinking budgets (gateway/budgets.py): validated by the chat endpoint, shaped per attempt, enforced
         # by the gateway where the engine cannot, reasoning output in the fields clients expect.
-        self.budgets = BudgetPolicy(settings.thinking, settings.models)
+        self.budgets = BudgetPolicy(settings.thinking, settings.models, self.metrics.thinking_ignored)
         # On-demand engines (backends/ondemand.py): requests for their models wait in the waiting room.
         self.waiting: WaitingRoom | None = None
         if self.fleet.demand is not None:

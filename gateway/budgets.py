@@ -17,7 +17,8 @@ Rules where the issue is silent:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from backends.dialects import DIALECTS
@@ -33,14 +34,29 @@ from gateway.thinking import BudgetAsk, Thinking
 BUDGET_FIELD = "thinking_budget"
 EFFORT_FIELD = "reasoning_effort"
 EFFORTS = tuple(e.value for e in Effort)
+#: Where a client asks for a thinking budget, for the errors of routes that take none.
+BUDGET_ROUTES = (
+    f"/v1/chat/completions ('{BUDGET_FIELD}', '{EFFORT_FIELD}'), /v1/messages ('thinking') and "
+    "/v1/responses ('reasoning.effort')"
+)
 _DEFAULT_MODEL = ModelConfig()
+
+log = logging.getLogger("warmroute.budgets")
 
 
 class BudgetPolicy:
     """The configuration ``resolve`` and ``BudgetStep`` read, built once from settings."""
 
-    def __init__(self, cfg: ThinkingConfig, models: Mapping[str, ModelConfig]) -> None:
+    def __init__(
+        self,
+        cfg: ThinkingConfig,
+        models: Mapping[str, ModelConfig],
+        ignored: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """``ignored(shape, header)``: counts a budget header a shape ignores (gateway/metrics.py)."""
         self.cfg = cfg
+        self.ignored = ignored
+        self._announced: set[tuple[str, str]] = set()  # (shape, header) already logged
         self.models = dict(models)
         self.budget_header = cfg.budget_header.lower().encode("latin-1")
         self.effort_header = cfg.effort_header.lower().encode("latin-1")
@@ -51,11 +67,40 @@ class BudgetPolicy:
     def thinks(self, name: str | None) -> bool:
         return self.model(name).thinks
 
-    def refuse(self, body: dict[str, Any]) -> None:
+    def refuse(
+        self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], shape: str, path: str
+    ) -> None:
         """For shapes that refuse a budget (``ThinkingUse.REFUSE``: /v1/completions has no chat template or
-        reasoning parser): asking is an error, not a no-op."""
-        if body.get(BUDGET_FIELD) is not None:
-            raise BadRequest(f"'{BUDGET_FIELD}' applies to /v1/chat/completions only", param=BUDGET_FIELD)
+        reasoning parser). A budget or an effort in the body asks this request for one: a 400 naming the
+        routes that take budgets, not a no-op. The budget and effort headers are often set on every request
+        a client sends, whatever the route, so they are no error here; each one is ignored and announced:
+        counted (``warmroute_thinking_ignored_requests_total``) and logged, once per header and route."""
+        for name in (BUDGET_FIELD, EFFORT_FIELD):
+            if body.get(name) is not None:
+                raise BadRequest(
+                    f"'{name}' does not apply to {path}, which has no chat template or reasoning parser; "
+                    f"thinking budgets are taken by {BUDGET_ROUTES}",
+                    param=name,
+                )
+        for header, spelled in (
+            (self.budget_header, self.cfg.budget_header),
+            (self.effort_header, self.cfg.effort_header),
+        ):
+            if _header(headers, header) is not None:
+                self._ignored(shape, path, spelled)
+
+    def _ignored(self, shape: str, path: str, header: str) -> None:
+        if self.ignored is not None:
+            self.ignored(shape, header)
+        if (shape, header) not in self._announced:
+            self._announced.add((shape, header))
+            log.warning(
+                "header %s is ignored on %s, which has no reasoning to cap (thinking budgets are taken by "
+                "%s); counted in warmroute_thinking_ignored_requests_total, logged once",
+                header,
+                path,
+                BUDGET_ROUTES,
+            )
 
     def refuse_budget(
         self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], path: str, effort: tuple[str, ...]
@@ -165,8 +210,10 @@ class BudgetStep:
         dialect = backend.cfg.dialect
         enforced = gateway_enforces(backend.cfg.budget_enforcement, dialect, thinking)
         shaped = draft.edit()
-        if ctx.shape.thinking is ThinkingUse.EFFORT and thinking.effort is not None:
-            # The translation wrote the body's effort; one from the header is the request's all the same.
+        if thinking.effort is not None and ctx.shape.thinking_ask is None:
+            # An effort from the header is the request's as one in the body is (chat's own field, or the one
+            # a translated Responses body got): the engine gets its native effort control either way, and
+            # the dialect's spelling below leaves out an effort it does not take.
             shaped.setdefault(EFFORT_FIELD, thinking.effort)
         if enforced and ctx.attempt is not None and ctx.attempt.translated is not None:
             # Phase 2 continues this chat body, not the client's (gateway/translation.py stitches the two

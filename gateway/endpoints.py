@@ -97,7 +97,7 @@ class Endpoint:
         body = parse_object(raw, self.max_json_values)
         model = shape.validate(body)
         if shape.thinking is ThinkingUse.REFUSE and self.budgets is not None:
-            self.budgets.refuse(body)
+            self.budgets.refuse(body, scope["headers"], shape.name, shape.path)
         key = shape.path
         identity: Identity | None = None
         if shape.key is not None:

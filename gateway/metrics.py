@@ -213,6 +213,11 @@ class Metrics:
         """An attempt carrying a thinking budget: ``native``, ``gateway`` or ``off`` (thinking turned off)."""
         self.tally.budgets[enforced] = self.tally.budgets.get(enforced, 0) + 1
 
+    def thinking_ignored(self, shape: str, header: str) -> None:
+        """A request of ``shape`` (which takes no budget) whose budget or effort ``header`` was ignored."""
+        key = (shape, header)
+        self.tally.ignored[key] = self.tally.ignored.get(key, 0) + 1
+
     def thinking(self, *, truncated: bool, reasoning_tokens: int) -> None:
         """A gateway-enforced request is over (only that path reads the reasoning it relays)."""
         self.tally.truncations += truncated
@@ -287,6 +292,7 @@ class _Tally(Collector):
         self.requests: dict[tuple[str, RequestOutcome], int] = {}
         self.timings: dict[str, tuple[_Histogram, _Histogram]] = {}  # backend -> (duration, first byte)
         self.budgets: dict[str, int] = {}  # thinking budgets by enforcement (gateway/budgets.py)
+        self.ignored: dict[tuple[str, str], int] = {}  # (shape, header): budget headers a shape ignored
         self.session_keys: dict[tuple[str, str], int] = {}  # (source label, session|subagent)
         self.volatile: dict[str, int] = {}  # "key" / "forward" -> requests normalised there
         self.truncations = 0  # gateway-enforced budgets that cut the reasoning and continued
@@ -411,6 +417,13 @@ class _Tally(Collector):
         for enforced in ("native", "gateway", "off"):
             budgets.add_metric([enforced], self.budgets.get(enforced, 0))
         yield budgets
+        yield from _counter(
+            "warmroute_thinking_ignored_requests",
+            "Requests of a route that takes no thinking budget (completions) whose budget or effort header "
+            "was ignored, by route shape and header (as configured in thinking)",
+            ("shape", "header"),
+            self.ignored,
+        )
         yield CounterMetricFamily(
             "warmroute_thinking_truncations",
             "Reasoning cut at the budget by the gateway",

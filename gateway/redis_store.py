@@ -365,6 +365,7 @@ class RedisAffinityStore:
             log.warning("shared state: Redis unavailable (%s); routing from local state", self._last_error)
             self._degraded = True
             self._degraded_since = time.time()
+            self.changes.notify(ChangeKind.SHARED_STATE, "redis", "degraded")
         self._wake.set()
         self._ensure_task()
 
@@ -409,6 +410,7 @@ class RedisAffinityStore:
         # No await since _resync found nothing pending: no pin made locally can be left behind.
         self._degraded = False
         self._degraded_since = None
+        self.changes.notify(ChangeKind.SHARED_STATE, "redis", "ok")
         log.warning("shared state: Redis is back; %d pins made meanwhile written back", pending)
         return True
 

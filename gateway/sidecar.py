@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from backends.canary import CanaryResult
+from backends.changes import ChangeKind, Changes
 from backends.events import ProbeFailed, ProbeOk
 from backends.health import HealthChecker
 from backends.managed import BackendController, policy_for
@@ -89,13 +90,15 @@ class SidecarHost:
         self.cfg = cfg
         # The lifecycle reads a backend's config; the sidecar's is only its URL and managed block.
         backend_cfg = BackendConfig(id=SIDECAR_ID, url=cfg.url, models=(SIDECAR_ID,), managed=cfg.managed)
-        self._changed = asyncio.Event()
+        #: Announced on every change of its state or availability (the exit of a managed sidecar included:
+        #: it is an outage): ``changes.wait(predicate, within)`` re-checks what it reads after each one.
+        self.changes = Changes()
         self.controller = BackendController(
             SIDECAR_ID,
             policy_for(backend_cfg, settings.health, settings.canary),
             _no_canary,
             managed=cfg.managed,
-            on_change=lambda _lc: self._changed.set(),
+            on_change=lambda lc: self.changes.notify(ChangeKind.STATE, SIDECAR_ID, lc.state.value),
         )
         self._backend = Backend(backend_cfg)
         health = settings.health.model_copy(update={"path": "/health"})
@@ -110,10 +113,9 @@ class SidecarHost:
         (empty) canary runs as a task, which this waits for."""
         await self._health.check(self._backend)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while self.controller.lifecycle.state is BackendState.CANARY:
-                    self._changed.clear()
-                    await self._changed.wait()
+            await self.changes.wait(
+                lambda: self.controller.lifecycle.state is not BackendState.CANARY, timeout_s
+            )
 
     def probed(self, backend_id: str, error: str | None) -> None:
         self.controller.send(ProbeOk() if error is None else ProbeFailed(error))

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
+from backends.changes import Changes
 from config.settings import Settings
 from gateway.app import Gateway, create_app
 
@@ -75,7 +76,19 @@ def wait_on_loop(
     gw: Gateway, loop: asyncio.AbstractEventLoop, predicate: Callable[[], object], what: str, within: float
 ) -> None:
     """From the test's thread: wait on ``gw.changes`` on the gateway's loop until ``predicate()``."""
-    done = asyncio.run_coroutine_threadsafe(gw.changes.wait(predicate, within), loop)
+    wait_on_changes(gw.changes, loop, predicate, what, within)
+
+
+def wait_on_changes(
+    changes: Changes,
+    loop: asyncio.AbstractEventLoop,
+    predicate: Callable[[], object],
+    what: str,
+    within: float,
+) -> None:
+    """From the test's thread: wait on ``changes`` (announced on ``loop``) until ``predicate()``, re-checked
+    on that loop after each change."""
+    done = asyncio.run_coroutine_threadsafe(changes.wait(predicate, within), loop)
     try:
         done.result(within + 5.0)
     except TimeoutError:

@@ -91,13 +91,21 @@ async def stream_chat(
 
 async def _read_events(response: httpx.Response, result: StreamResult, progress: _Progress) -> None:
     event = "message"
+    done = False
     async for line in response.aiter_lines():
+        if done:
+            # The body is read to its end, as the openai SDK does after [DONE] on HTTP/1.1. Hanging up at
+            # [DONE], before the server ends the response, is a client leaving mid-answer to a gateway that
+            # has not read its engine's end yet: it then counts a disconnect and learns nothing of the turn
+            # (a first reply unrecorded, so the next turn loses its hint), about 1 request in 450.
+            continue
         if line.startswith("event:"):
             event = line[6:].strip()
         elif line.startswith("data:"):
             data = line[5:].strip()
             if data == "[DONE]":
-                break  # still check below that some text came: an empty answer has no TTFT
+                done = True  # still check below that some text came: an empty answer has no TTFT
+                continue
             if event == "error":
                 result.error = f"error event: {data[:200]}"
                 return

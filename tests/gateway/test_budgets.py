@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -179,7 +180,25 @@ def test_headers_set_the_budget_and_the_body_wins(gateway: Callable[..., Gw]) ->
     sent = _sent(gateway, "vllm", headers={"x-thinking-budget": "40"}, thinking_budget=41)
     assert sent == _expect(thinking_token_budget=41)
     sent = _sent(gateway, "sglang", headers={"x-reasoning-effort": "low"})
-    assert sent == _expect(custom_params={"thinking_budget": 100})
+    assert sent == _expect(reasoning_effort="low", custom_params={"thinking_budget": 100})
+    sent = _sent(gateway, "vllm", headers={"x-reasoning-effort": "high"}, reasoning_effort="low")
+    assert sent == _expect(reasoning_effort="low", thinking_token_budget=100)
+
+
+@pytest.mark.parametrize(
+    ("dialect", "effort"),
+    [("vllm", "low"), ("vllm", "xhigh"), ("vllm", "none"), ("sglang", "low"), ("sglang", "max"),
+     ("llamacpp", "high"), ("openai", "none"), ("openai", "max")],
+)  # fmt: skip
+def test_a_header_effort_reaches_the_engine_as_the_body_s_would(
+    gateway: Callable[..., Gw], dialect: str, effort: str
+) -> None:
+    """``x-reasoning-effort`` is the request's effort as ``reasoning_effort`` is: the engine gets the same
+    body, its native effort control where the dialect takes that value (SGLang has no ``max``, OpenAI no
+    ``max``: left out, the engine's default), as a translated Responses attempt does."""
+    by_header = _sent(gateway, dialect, headers={"x-reasoning-effort": effort})
+    assert by_header == _sent(gateway, dialect, reasoning_effort=effort)
+    assert ("reasoning_effort" in by_header) == (effort not in {"max"} or dialect == "vllm")
 
 
 def test_untouched_body_goes_as_the_clients_bytes(gateway: Callable[..., Gw]) -> None:
@@ -215,12 +234,44 @@ def test_retry_on_another_dialect_starts_from_the_original_body(gateway: Callabl
     assert all(json.loads(b) == sglang for b in fakes["b"].raw)
 
 
-def test_completions_refuse_a_thinking_budget(gateway: Callable[..., Gw]) -> None:
+@pytest.mark.parametrize("field", [{"thinking_budget": 5}, {"reasoning_effort": "low"}])
+def test_completions_refuse_a_budget_in_the_body_naming_the_routes_that_take_one(
+    gateway: Callable[..., Gw], field: dict[str, Any]
+) -> None:
     url, fakes = gateway({"a": "vllm"})
-    body = {"model": "m", "prompt": "x", "thinking_budget": 5}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
+    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x", **field}, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_request", *field)
+    assert err["message"].startswith(f"'{next(iter(field))}' does not apply to /v1/completions")
+    for route in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+        assert route in err["message"]
     assert fakes["a"].raw == []
+
+
+def test_completions_ignore_budget_headers_and_say_so(
+    gateway: Callable[..., Gw], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients set the budget headers on every request: on a route without reasoning they are no error, and
+    they are announced (counted each time, logged once per header), and the engine gets the client's bytes."""
+    caplog.set_level(logging.WARNING, "warmroute.budgets")
+    url, fakes = gateway({"a": "vllm"})
+    raw = b'{"model": "m", "prompt": "x"}'
+    sent = {"content-type": "application/json", "x-thinking-budget": "5", "x-reasoning-effort": "low"}
+    for headers in (sent, sent, {"content-type": "application/json", "x-thinking-budget": "lots"}):
+        r = httpx.post(url + "/v1/completions", content=raw, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+    assert fakes["a"].raw == [raw, raw, raw]
+    text = httpx.get(url + "/metrics").text
+    counted = 'warmroute_thinking_ignored_requests_total{header="%s",shape="completions"}'
+    assert f"{counted % 'x-thinking-budget'} 3.0" in text
+    assert f"{counted % 'x-reasoning-effort'} 2.0" in text
+    logged = [r.getMessage() for r in caplog.records if r.name == "warmroute.budgets"]
+    assert [m.split(" is ignored on ")[0] for m in logged] == [
+        "header x-thinking-budget",
+        "header x-reasoning-effort",
+    ]
+    assert all("/v1/completions" in m and "/v1/chat/completions" in m for m in logged)
 
 
 def test_metrics_count_budgets_by_enforcement(gateway: Callable[..., Gw]) -> None:

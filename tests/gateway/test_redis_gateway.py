@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from gateway.redis_store import RedisAffinityStore, redis_pool
 from routing.keys import chat_key
 from tools.redis_server import CountingConnection, RedisServer
 
+from clusters import loop_of, wait_on_loop
 from upstreams import FAST_HEALTH, FakeEngine, serve
 
 SYS = {"role": "system", "content": "You are a coding agent."}
@@ -30,12 +30,19 @@ class Replicas:
     urls: list[str]
     gateways: list[Gateway]
     engines: dict[str, FakeEngine]
+    loops: list[asyncio.AbstractEventLoop]  # each gateway's own (its server's thread)
+
+    def wait_for(self, i: int, predicate: Callable[[], object], what: str) -> None:
+        """Wait for a state gateway ``i`` announces (``Gateway.changes``), re-checked on its own loop."""
+        wait_on_loop(self.gateways[i], self.loops[i], predicate, what, ANNOUNCED_S)
 
 
 ReplicasFactory = Callable[..., Replicas]
 
 
 QUIET_ADMIN = {"sync_interval_s": 3600}  # no change-feed poll while round trips are counted
+#: How long a test waits for a state the product announces: room for a loaded 2-core machine.
+ANNOUNCED_S = 30.0
 
 
 @pytest.fixture
@@ -58,7 +65,7 @@ def replicas(redis_server: RedisServer, redis_prefix: str) -> Iterator[ReplicasF
         # Generous timeouts: a loaded test machine must not look like a Redis outage. Outages here are kills.
         redis_cfg = {"url": redis_server.url, "prefix": redis_prefix, "timeout_s": 2.0, **(redis or {})}
         redis_cfg = redis_cfg if shared else {}
-        urls, gateways = [], []
+        urls, gateways, loops = [], [], []
         for i in range(count):
             w = weights[i] if weights else {}
             backends = [
@@ -73,9 +80,11 @@ def replicas(redis_server: RedisServer, redis_prefix: str) -> Iterator[ReplicasF
                 admin=admin or {},
             )
             app = create_app(settings, store(settings) if store else None)
-            urls.append(stack.enter_context(serve(app))[0])
+            url, server = stack.enter_context(serve(app))
+            urls.append(url)
             gateways.append(app.state.gateway)
-        return Replicas(urls, gateways, engines)
+            loops.append(loop_of(server))
+        return Replicas(urls, gateways, engines, loops)
 
     with stack:
         yield make
@@ -95,13 +104,6 @@ def turn(conv: str, i: int) -> list[dict[str, str]]:
     for j in range(i):
         history += [{"role": "assistant", "content": f"answer {j}"}, {"role": "user", "content": f"next {j}"}]
     return history
-
-
-def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.02)
 
 
 def test_a_conversation_stays_on_one_backend_across_replicas(replicas: ReplicasFactory) -> None:
@@ -190,14 +192,19 @@ def test_redis_dying_mid_traffic_is_invisible_to_clients_and_pins_come_back(
     private_redis: RedisServer, replicas: ReplicasFactory
 ) -> None:
     fast = {"url": private_redis.url, "reconnect_min_s": 0.05, "reconnect_max_s": 0.2}
-    r = replicas(2, redis={**fast, "heartbeat_s": 0.1, "lease_ttl_s": 1.0})
+    # A heartbeat (how gw1, which serves nothing until the end, sees the outage and Redis's return) with a
+    # lease that outlives a heartbeat late by seconds on a loaded machine.
+    r = replicas(2, redis={**fast, "heartbeat_s": 0.5, "lease_ttl_s": 10.0})
     gw0, gw1 = r.urls
+    store0, store1 = (gw.store for gw in r.gateways)
+    assert isinstance(store0, RedisAffinityStore) and isinstance(store1, RedisAffinityStore)
     placed = {
         f"before {i}": chat(gw0, turn(f"before {i}", 0)).headers["x-warmroute-backend"] for i in range(6)
     }
     failures: list[str] = []
     moved: list[str] = []
     answered: list[int] = []  # one entry per successful request; its length is read by the test thread
+    progress = threading.Condition()  # notified after every request of the traffic thread
     stop = threading.Event()
 
     def traffic() -> None:
@@ -213,34 +220,40 @@ def test_redis_dying_mid_traffic_is_invisible_to_clients_and_pins_come_back(
                 except httpx.HTTPError as exc:
                     failures.append(repr(exc))
                     continue
-                if resp.status_code != 200:
-                    failures.append(f"{resp.status_code} {resp.text}")
-                elif resp.headers["x-warmroute-backend"] != placed[conv]:
-                    moved.append(conv)
-                else:
-                    answered.append(n)
+                with progress:
+                    if resp.status_code != 200:
+                        failures.append(f"{resp.status_code} {resp.text}")
+                    elif resp.headers["x-warmroute-backend"] != placed[conv]:
+                        moved.append(conv)
+                    else:
+                        answered.append(n)
+                    progress.notify_all()
 
     def flows(more: int) -> None:
         """Wait until the traffic thread has had ``more`` further requests answered."""
-        target = len(answered) + more
-        until(lambda: len(answered) >= target)
+        with progress:
+            target = len(answered) + more
+            assert progress.wait_for(lambda: len(answered) >= target or failures, ANNOUNCED_S), "no traffic"
 
     worker = threading.Thread(target=traffic, daemon=True)
     worker.start()
     try:
         flows(5)  # traffic flows before the outage
         private_redis.kill()
-        until(lambda: httpx.get(gw0 + "/readyz").json()["shared_state"]["degraded"] is True)
+        r.wait_for(0, lambda: store0.degraded, "gw0 routing from local state")
         flows(5)  # and during it
         ready = httpx.get(gw0 + "/readyz")
         assert ready.status_code == 200  # degraded is a detail, not unreadiness
+        assert ready.json()["shared_state"]["degraded"] is True
         assert "warmroute_shared_state_degraded 1.0" in httpx.get(gw0 + "/metrics").text
         during = {
             f"during {i}": chat(gw0, turn(f"during {i}", 0)).headers["x-warmroute-backend"] for i in range(6)
         }
         private_redis.start()  # same port, empty
-        until(lambda: httpx.get(gw0 + "/readyz").json()["shared_state"]["degraded"] is False)
-        until(lambda: httpx.get(gw1 + "/readyz").json()["shared_state"]["degraded"] is False)
+        r.wait_for(0, lambda: not store0.degraded, "gw0 back on Redis")
+        r.wait_for(1, lambda: not store1.degraded, "gw1 back on Redis")
+        for url in (gw0, gw1):
+            assert httpx.get(url + "/readyz").json()["shared_state"]["degraded"] is False
         flows(5)  # and again through Redis
     finally:
         stop.set()
