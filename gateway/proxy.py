@@ -66,7 +66,7 @@ from gateway.transport import (
     UpstreamTransport,
     UpstreamTransportError,
 )
-from routing.types import BackendState, Decision, PinAction, RouteRequest
+from routing.types import BackendState, Decision, PinAction, Reason, RouteRequest
 
 __all__ = ["AdmitAll", "Proxy", "RequestFeed", "upstream_headers"]
 
@@ -76,6 +76,8 @@ Sent = TransportResponse | UpstreamError
 #: No pin, no counts: with one eligible backend there is nothing to compare (``Proxy._view``); in-flight
 #: counts fall back to this process's own.
 _NOTHING_TO_COMPARE = StoreView(None, {}, None)
+#: Decisions that place a new conversation: the backend's ``placed_at`` is set when it is sent there.
+_NEW_CONVERSATION = frozenset({Reason.NEW_CHEAPEST, Reason.NEW_LEAST_LOADED})
 
 
 class RequestFeed(OutcomeFeed, Protocol):
@@ -302,6 +304,8 @@ class Proxy:
 
     def _claim(self, ctx: RequestContext, backend_id: str) -> None:
         ctx.lease = self.registry.lease(backend_id)
+        if ctx.reason in _NEW_CONVERSATION and (ctx.route is None or ctx.route.teaches):
+            self.registry.placed(backend_id, time.monotonic())  # ttft spreads new ones by it
         inputs = self.phases.route_inputs
         if inputs is not None and ctx.route is not None:
             inputs.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
