@@ -22,7 +22,9 @@ Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), `
 to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``,
 or the policy it names as in ``translated@policy=ttft``, against engines with the native shape turned off: the
 gateway must translate; compared with its native twin; the variant says so and is skipped when the gateway
-cannot serve it).
+cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as ``--tree NAME=PATH``; ``--seed``
+draws other sessions (sizes, pauses, text, session ids). Each run lists where every session's first turn
+went and why (``turn1_placement``: which sessions share an engine).
 """
 
 from __future__ import annotations
