@@ -76,7 +76,7 @@ Sent = TransportResponse | UpstreamError
 #: No pin, no counts: with one eligible backend there is nothing to compare (``Proxy._view``); in-flight
 #: counts fall back to this process's own.
 _NOTHING_TO_COMPARE = StoreView(None, {}, None)
-#: Decisions that place a new conversation: the backend's ``placed_at`` is set when it is sent there.
+#: Decisions that place a new conversation: the backend's ``placed_at`` is set as it is decided.
 _NEW_CONVERSATION = frozenset({Reason.NEW_CHEAPEST, Reason.NEW_LEAST_LOADED})
 
 
@@ -265,6 +265,14 @@ class Proxy:
         if ctx.ineligible:  # absent, not excluded: a policy treats an exclusion as a retry
             candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
         decision = ctx.policy.select(candidates, request, now)
+        if (
+            decision.reason in _NEW_CONVERSATION
+            and decision.backend is not None
+            and (ctx.route is None or ctx.route.teaches)
+        ):
+            # Marked now, not when the lease is taken: with Redis the pin's commit is awaited in between, and
+            # a session starting meanwhile must already see this one placed (ttft spreads new ones by it).
+            self.registry.placed(decision.backend, now)
         if inputs is not None and ctx.route is not None:
             ctx.route.uncached_tokens = decision.uncached_tokens
             return inputs.settle(ctx, ctx.pinned, decision)
@@ -304,8 +312,6 @@ class Proxy:
 
     def _claim(self, ctx: RequestContext, backend_id: str) -> None:
         ctx.lease = self.registry.lease(backend_id)
-        if ctx.reason in _NEW_CONVERSATION and (ctx.route is None or ctx.route.teaches):
-            self.registry.placed(backend_id, time.monotonic())  # ttft spreads new ones by it
         inputs = self.phases.route_inputs
         if inputs is not None and ctx.route is not None:
             inputs.sent(ctx, ctx.lease, ctx.route.uncached_tokens)
