@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,7 +20,7 @@ from gateway.state import MemoryAffinityStore
 from routing.keys import chat_key, reply_key, session_key
 from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
 from routing.policies.ttft import TtftPolicy
-from routing.types import Reason
+from routing.types import Decision, Reason
 
 from transports import FakeTransport, Reply
 
@@ -249,3 +250,28 @@ async def test_new_sessions_go_in_turn_where_none_went_for_longest_and_follow_up
     await run(proxy, follow)
     assert follow.reason is Reason.AFFINITY_HIT
     assert {b.id: b.placed_at for b in proxy.registry.backends.values()} == marks
+
+
+class _SlowCommit(MemoryAffinityStore):
+    """A store whose pin commit is a round trip (as Redis's): other requests run in between."""
+
+    async def commit(self, key: str, decision: Decision) -> str:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return await super().commit(key, decision)
+
+
+async def test_sessions_starting_while_a_pin_commit_is_in_flight_see_it_placed() -> None:
+    """Two new sessions at once over a store whose commit awaits: the second is routed while the first's
+    commit is in flight, before its lease counts it; the mark set at decision time sends it elsewhere."""
+    fake = FakeTransport()
+    fake.script("http://a", streamed("a0"), streamed("a1"))
+    fake.script("http://b", streamed("b0"), streamed("b1"))
+    settings, _, registry = backends_ab()
+    store = _SlowCommit(settings.routing)
+    feedback = RoutingFeedback(registry, PARAMS)
+    proxy = make_proxy(fake, feedback, parts=(settings, store, registry))
+    first, second = (session(i, [*HEAD, {"role": "user", "content": f"task {i}"}]) for i in range(2))
+    await asyncio.gather(run(proxy, first), run(proxy, second))
+    assert first.backend is not None and second.backend is not None
+    assert {first.backend.id, second.backend.id} == {"a", "b"}
