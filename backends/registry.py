@@ -31,6 +31,7 @@ class Backend:
     prefill_tps: float = 0.0  # learned (gateway.learning); 0: unknown
     retention: float = 1.0  # learned share of expected cached prefix the engine held (gateway.learning)
     signals: EngineSignals | None = None  # the last scrape of its /metrics (backends.engine_metrics)
+    placed_at: float = float("-inf")  # monotonic time it was last given a new conversation (``placed``)
 
     @property
     def id(self) -> str:
@@ -176,8 +177,15 @@ class Registry:
                     capacity = int(s.kv_capacity)
             flying = b.in_flight if in_flight is None else in_flight.get(cfg.id, 0)
             out.append(Candidate(cfg.id, b.routing_state, flying, count(cfg.id, 0), cfg.weight,
-                                 b.prefilling, b.prefill_tps, waiting, b.retention, capacity))  # fmt: skip
+                                 b.prefilling, b.prefill_tps, waiting, b.retention, capacity,
+                                 b.placed_at))  # fmt: skip
         return tuple(out)
+
+    def placed(self, backend_id: str, now: float) -> None:
+        """``backend_id`` was given a new conversation at ``now`` (monotonic): ``Candidate.placed_at``."""
+        b = self.backends.get(backend_id)
+        if b is not None:
+            b.placed_at = now
 
     def lease(self, backend_id: str) -> Lease:
         """Count one request on ``backend_id`` until the returned lease is released."""

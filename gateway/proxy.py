@@ -66,7 +66,7 @@ from gateway.transport import (
     UpstreamTransport,
     UpstreamTransportError,
 )
-from routing.types import BackendState, Decision, PinAction, RouteRequest
+from routing.types import BackendState, Decision, PinAction, Reason, RouteRequest
 
 __all__ = ["AdmitAll", "Proxy", "RequestFeed", "upstream_headers"]
 
@@ -76,6 +76,8 @@ Sent = TransportResponse | UpstreamError
 #: No pin, no counts: with one eligible backend there is nothing to compare (``Proxy._view``); in-flight
 #: counts fall back to this process's own.
 _NOTHING_TO_COMPARE = StoreView(None, {}, None)
+#: Decisions that place a new conversation: the backend's ``placed_at`` is set as it is decided.
+_NEW_CONVERSATION = frozenset({Reason.NEW_CHEAPEST, Reason.NEW_LEAST_LOADED})
 
 
 class RequestFeed(OutcomeFeed, Protocol):
@@ -263,6 +265,14 @@ class Proxy:
         if ctx.ineligible:  # absent, not excluded: a policy treats an exclusion as a retry
             candidates = tuple(c for c in candidates if c.id not in ctx.ineligible)
         decision = ctx.policy.select(candidates, request, now)
+        if (
+            decision.reason in _NEW_CONVERSATION
+            and decision.backend is not None
+            and (ctx.route is None or ctx.route.teaches)
+        ):
+            # Marked now, not when the lease is taken: with Redis the pin's commit is awaited in between, and
+            # a session starting meanwhile must already see this one placed (ttft spreads new ones by it).
+            self.registry.placed(decision.backend, now)
         if inputs is not None and ctx.route is not None:
             ctx.route.uncached_tokens = decision.uncached_tokens
             return inputs.settle(ctx, ctx.pinned, decision)

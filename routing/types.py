@@ -70,6 +70,9 @@ class Candidate(NamedTuple):
     retention: float = 1.0
     #: KV cache size in tokens its engine reports (vLLM's ``cache_config_info``); 0: unknown (no limit seen).
     kv_capacity: int = 0
+    #: When (monotonic seconds) it was last given a new conversation; -inf: never. Among backends whose
+    #: costs are within a small margin, a new conversation goes to the one given one least recently.
+    placed_at: float = float("-inf")
 
     @property
     def routable(self) -> bool:

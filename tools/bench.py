@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bench_scenarios.VARIANTS[:] = args.variants.split(",")
             bench_scenarios.KV_EVENTS[0] = args.kv_events
             bench_scenarios.TREES.update(_trees(args.tree))
+            bench_agents.SEED[0] = args.seed
             return bench_scenarios.main(names, args.rounds, args.time_scale, profile, out)
     policies = _policies(args.policies)
     try:

@@ -22,7 +22,9 @@ Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), `
 to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``,
 or the policy it names as in ``translated@policy=ttft``, against engines with the native shape turned off: the
 gateway must translate; compared with its native twin; the variant says so and is skipped when the gateway
-cannot serve it).
+cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as ``--tree NAME=PATH``; ``--seed``
+draws other sessions (sizes, pauses, text, session ids). Each run lists where every session's first turn
+went and why (``turn1_placement``: which sessions share an engine).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -55,6 +58,10 @@ from tools.procs import LOCALHOST, free_port
 from tools.redis_server import RedisServer, find_binary
 
 MODEL = "sim-model"
+#: ``--seed``: the sessions' sizes, pauses and text (``AgentSpec.seed``); ``--tree NAME=PATH``: a
+#: ``policy%NAME`` variant runs that checkout's gateway (both set from the command line).
+SEED: list[int] = [0]
+TREES: dict[str, Path] = {}
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
 TRANSLATED = report.TRANSLATED
 TRANSLATED_TTFT = f"{TRANSLATED}@policy=ttft"
@@ -141,7 +148,9 @@ def start_gateway(
     name: str,
     redis_url: str | None,
     backend: Sequence[tuple[str, Any]] = (),
+    source: Path | None = None,
 ) -> Child:
+    """``source``: the checkout whose gateway runs (None: this one)."""
     port = free_port()
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
@@ -152,7 +161,8 @@ def start_gateway(
     }
     path = launch.workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))
-    child = launch._spawn(name, port, procs.python("-m", "gateway.cli", "serve", "--config", str(path)))
+    argv = procs.python("-m", "gateway.cli", "serve", "--config", str(path))
+    child = launch._spawn(name, port, argv, source)
     launch._wait(child, "/readyz", _all_ready)
     return child
 
@@ -233,8 +243,11 @@ async def run_variant(
     time_scale: float,
     redis_url: str | None,
 ) -> dict[str, Any]:
-    name, _, settings = variant.partition("@")
-    policy = report.translated_policy(variant) or name
+    rest, _, tree = variant.partition("%")
+    if tree and tree not in TREES:
+        raise SystemExit(f"warmroute bench: variant {variant!r} names tree {tree!r}; give --tree {tree}=PATH")
+    name, _, settings = rest.partition("@")
+    policy = report.translated_policy(rest) or name
     engines = engine_sets[TRANSLATED if name == TRANSLATED else "native"]
     for e in engines:
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
@@ -246,12 +259,14 @@ async def run_variant(
     try:
         if policy != report.ORACLE:
             gateways = [
-                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis_url, backend)
+                start_gateway(
+                    launch, engines, routing, f"gw-{label}-{i}", redis_url, backend, TREES.get(tree)
+                )
                 for i in range(sc.replicas)
             ]
             if name == TRANSLATED and (why := await _probe(client, gateways[0].url, sc.shape)) is not None:
                 return {"skipped": why}
-        spec = replace(sc.spec, pause_s=sc.spec.pause_s * time_scale)
+        spec = replace(sc.spec, pause_s=sc.spec.pause_s * time_scale, seed=SEED[0])
         head, sessions = build(spec)
         urls = tuple(g.url for g in gateways) or tuple(e.url for e in engines)
         run = Run(sc, spec, head, urls, not gateways, tuple(e.id for e in engines), time_scale)
@@ -317,4 +332,4 @@ def run_scenario(
     by_variant = {v: report.medians(rs) for v, rs in runs.items()}
     report.add_ratios(by_variant)
     return {"scenario": name, "target": sc.target, "rounds": rounds, "time_scale": time_scale,
-            "spec": str(sc.spec), "runs": runs, "medians": by_variant}  # fmt: skip
+            "spec": str(replace(sc.spec, seed=SEED[0])), "runs": runs, "medians": by_variant}  # fmt: skip

@@ -72,6 +72,15 @@ def summarize(records: Sequence[AgentRecord], engines: Sequence[str], wall_s: fl
         "turn1_load_max_mean": max(counts) / statistics.fmean(counts) if any(counts) else None,
         "turn1_split": counts,
         "cached_share": cached / prompt if prompt else None,
+        # Where each session's first turn went (by session index) and why: which sessions share an engine.
+        "turn1_placement": [
+            [
+                r.session,
+                engines.index(b) if (b := r.out.result.backend) in engines else None,
+                r.out.result.route,
+            ]
+            for r in sorted(first, key=lambda r: r.session)
+        ],
     }
 
 

@@ -532,6 +532,7 @@ def main(names: Sequence[str], rounds: int, time_scale: float, profile: SimProfi
             raise SystemExit(f"warmroute bench: unknown scenario {name!r}; known: {', '.join(known)}, agents")
         print(f"== scenario {name} ({rounds} rounds, time scale {time_scale}) ==", flush=True)
         if name in bench_agents.SCENARIOS:  # coding agents: their own sessions, shapes and oracle
+            bench_agents.TREES.update(TREES)
             result = bench_agents.run_scenario(name, rounds, time_scale, profile, VARIANTS)
             brief = bench_agents_report.brief
         elif name in bench_neighbours.SCENARIOS:  # admission: its own clients, not conversations

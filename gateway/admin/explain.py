@@ -125,7 +125,8 @@ def _cost(c: Cost) -> CostView:
 
 
 def _candidate(c: Candidate) -> CandidateView:
-    signals = {k: v for k, v in c._asdict().items() if k not in _CORE}
+    # A float that is no number (``placed_at`` of a backend never given a new conversation: -inf) is null.
+    signals = {k: finite(v) if isinstance(v, float) else v for k, v in c._asdict().items() if k not in _CORE}
     return CandidateView(
         id=c.id,
         state=c.state.value,

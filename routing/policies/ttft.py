@@ -16,8 +16,12 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
     spilling every turn would pay it every turn                          (move_cheaper)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
 - new                                   -> cheapest (load term included), claim        (new_cheapest)
+  - several within ``_SPREAD_SHARE`` (5 %) of the cheapest: the one given a new conversation least
+    recently (``Candidate.placed_at``), so conversations that start close together (agents starting in
+    a burst, before any queue tells their engines apart) are spread across engines in turn instead of
+    by each key's hash: sessions that start together, kept on one engine, tend to keep arriving together.
 
-Ties go by the rendezvous tie-break, so every replica given the same snapshot decides the same.
+Other ties go by the rendezvous tie-break, so every replica given the same snapshot decides the same.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from routing.types import (
 )
 
 _MIN_MARGIN_S = 0.02
+#: New conversations: backends whose expected TTFT is within this share of the cheapest's (and 20 ms)
+#: count as equal: estimates of that size are not worth telling apart (a prompt's tokens are guessed from
+#: its characters, a queue's from the estimates of the requests in it).
+_SPREAD_SHARE = 0.05
 
 
 class TtftPolicy:
@@ -60,14 +68,16 @@ class TtftPolicy:
         home = find(candidates, home_id)
         if home is not None and home.routable:
             return self._from_home(home, ready, request)
-        best = self._cheapest(ready, request)
         if home_id is None:
+            best = self._new_home(ready, request)
             return self._decide(best, Reason.NEW_CHEAPEST, PinAction.CLAIM, ready, request)
+        best = self._cheapest(ready, request)
         reason = Reason.REPIN_REMOVED if home is None else Reason.REPIN_UNHEALTHY
         return self._decide(best, reason, _placed(request), ready, request)
 
     def costs(self, candidates: Candidates, request: RouteRequest) -> tuple[Cost, ...]:
-        """Every routable candidate's cost, cheapest first (the same order ``select`` ranks them in)."""
+        """Every routable candidate's cost, cheapest first (the order ``select`` ranks them in, but for a
+        new conversation, which may go to a near-cheapest one: ``_new_home``)."""
         seed = key_seed(request.key)
         ready = [c for c in candidates if c.routable and c.id not in request.exclude]
         ranked = sorted(ready, key=lambda c: (total_s(c, request, self.load_share), rendezvous(seed, c.id)))
@@ -121,6 +131,19 @@ class TtftPolicy:
             if rank < best_rank:
                 best, best_rank = c, rank
         return best
+
+    def _new_home(self, ready: list[Candidate], request: RouteRequest) -> Candidate:
+        """Among the backends within ``_SPREAD_SHARE`` of the cheapest (and ``_MIN_MARGIN_S``), the one
+        given a new conversation least recently; then the cheaper, then the rendezvous tie-break."""
+        if len(ready) == 1:
+            return ready[0]
+        seed = key_seed(request.key)
+        totals = [total_s(c, request, self.load_share) for c in ready]
+        cheapest = min(totals)
+        limit = cheapest + max(_MIN_MARGIN_S, _SPREAD_SHARE * cheapest)
+        near = [(c.placed_at, t, rendezvous(seed, c.id), c) for c, t in zip(ready, totals, strict=True)
+                if t <= limit]  # fmt: skip
+        return min(near, key=lambda n: n[:3])[3]
 
     def _decide(
         self, chosen: Candidate, reason: Reason, pin: PinAction, ready: list[Candidate], request: RouteRequest

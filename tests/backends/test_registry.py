@@ -56,3 +56,13 @@ def test_stale_or_absent_engine_queues_are_unknown() -> None:
     reg.backends["b"].signals = EngineSignals(at=10.0)  # the engine does not report a queue
     a, b = reg.candidates("m", {}, None, now=SIGNALS_MAX_AGE_S + 0.5)
     assert (a.waiting, b.waiting) == (-1, -1)
+
+
+def test_when_a_backend_was_last_given_a_new_conversation_is_in_its_candidate() -> None:
+    reg = registry()
+    a, b = reg.candidates("m", {}, None, now=0.0)
+    assert (a.placed_at, b.placed_at) == (float("-inf"), float("-inf"))  # never
+    reg.placed("b", 12.5)
+    reg.placed("gone", 13.0)  # removed meanwhile: nothing to remember it on
+    a, b = reg.candidates("m", {}, None, now=20.0)
+    assert (a.placed_at, b.placed_at) == (float("-inf"), 12.5)

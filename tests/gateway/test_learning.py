@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,7 +20,7 @@ from gateway.state import MemoryAffinityStore
 from routing.keys import chat_key, reply_key, session_key
 from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
 from routing.policies.ttft import TtftPolicy
-from routing.types import Reason
+from routing.types import Decision, Reason
 
 from transports import FakeTransport, Reply
 
@@ -219,3 +220,58 @@ def test_a_follow_up_sent_home_teaches_its_backends_retention_and_others_do_not(
     # (5000 held + the 4000-token prior) / (10000 expected + the prior), decayed one clock tick; published.
     assert a.retention == pytest.approx(9000 / 14_000, rel=1e-3)
     assert proxy.registry.candidates("m", {}, None, 0.0)[0].retention == a.retention
+
+
+def session(i: int, messages: list[dict[str, Any]]) -> RequestContext:
+    ctx = chat(messages, headers=[(b"x-session-id", f"s{i}".encode())])
+    ctx.key, ctx.identity = session_key("m", f"s{i}"), Identity("header:x-session-id")  # as the endpoint does
+    return ctx
+
+
+async def test_new_sessions_go_in_turn_where_none_went_for_longest_and_follow_ups_mark_nothing() -> None:
+    """Sessions one after another onto two equal engines: each new one goes to the engine given one least
+    recently (by cost alone, each key's hash would pick between the equally loaded two). The proxy marks the
+    backend when it sends a new conversation there; a follow-up leaves the mark as it was."""
+    fake = FakeTransport()
+    fake.script("http://a", *(streamed(f"a{i}") for i in range(8)))
+    fake.script("http://b", *(streamed(f"b{i}") for i in range(8)))
+    proxy, _ = v2_proxy(fake)
+    placed = []
+    for i in range(6):
+        ctx = session(i, [*HEAD, {"role": "user", "content": f"task {i}"}])
+        await run(proxy, ctx)
+        assert ctx.backend is not None and ctx.reason is Reason.NEW_CHEAPEST
+        placed.append(ctx.backend.id)
+    assert placed[0] != placed[1] and placed[0::2] == [placed[0]] * 3 and placed[1::2] == [placed[1]] * 3
+    marks = {b.id: b.placed_at for b in proxy.registry.backends.values()}
+    assert marks[placed[0]] < marks[placed[1]]  # the latest new one went to placed[1]
+    follow = session(4, [*HEAD, {"role": "user", "content": "task 4"}, {"role": "assistant", "content": "a2"},
+                         {"role": "user", "content": "go"}])  # fmt: skip
+    await run(proxy, follow)
+    assert follow.reason is Reason.AFFINITY_HIT
+    assert {b.id: b.placed_at for b in proxy.registry.backends.values()} == marks
+
+
+class _SlowCommit(MemoryAffinityStore):
+    """A store whose pin commit is a round trip (as Redis's): other requests run in between."""
+
+    async def commit(self, key: str, decision: Decision) -> str:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return await super().commit(key, decision)
+
+
+async def test_sessions_starting_while_a_pin_commit_is_in_flight_see_it_placed() -> None:
+    """Two new sessions at once over a store whose commit awaits: the second is routed while the first's
+    commit is in flight, before its lease counts it; the mark set at decision time sends it elsewhere."""
+    fake = FakeTransport()
+    fake.script("http://a", streamed("a0"), streamed("a1"))
+    fake.script("http://b", streamed("b0"), streamed("b1"))
+    settings, _, registry = backends_ab()
+    store = _SlowCommit(settings.routing)
+    feedback = RoutingFeedback(registry, PARAMS)
+    proxy = make_proxy(fake, feedback, parts=(settings, store, registry))
+    first, second = (session(i, [*HEAD, {"role": "user", "content": f"task {i}"}]) for i in range(2))
+    await asyncio.gather(run(proxy, first), run(proxy, second))
+    assert first.backend is not None and second.backend is not None
+    assert {first.backend.id, second.backend.id} == {"a", "b"}

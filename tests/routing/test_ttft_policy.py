@@ -183,3 +183,72 @@ def test_explain_lists_every_cost_cheapest_first_and_only_when_asked() -> None:
 def test_ttft_is_in_the_policy_table() -> None:
     p = make_policy(RoutingParams("ttft", 2.0, 8, False))
     assert isinstance(p, TtftPolicy) and p.uses_affinity
+
+
+# -- new conversations started close together: spread in turn ------------------------------------------
+
+
+def placed(c: Candidate, at: float) -> Candidate:
+    return c._replace(placed_at=at)
+
+
+def test_a_new_conversation_goes_to_the_backend_given_one_least_recently_among_near_equals() -> None:
+    # "a" is a few ms cheaper (prefilling 5 tokens less), but was given a new conversation just now.
+    cands = [placed(cand("a", prefilling=1000), NOW), placed(cand("b", prefilling=1005), NOW - 1.0)]
+    d = policy().select(cands, req(), NOW)
+    assert (d.backend, d.reason, d.pin) == ("b", Reason.NEW_CHEAPEST, PinAction.CLAIM)
+
+
+def test_beyond_the_spread_margin_the_cheapest_wins_however_recently_it_was_given_one() -> None:
+    # 4.0 s against 4.3 s: dearer by more than the margin (5 % of the cheapest, and 20 ms).
+    cands = [placed(cand("a", prefilling=1000), NOW), placed(cand("b", prefilling=1300), NOW - 60.0)]
+    assert policy().select(cands, req(), NOW).backend == "a"
+    # On a cheap request the 20 ms floor: 30 ms dearer of 0.1 s is beyond it, 15 ms is not.
+    small = req(prompt_tokens=100, head_tokens=0, tail_tokens=100)
+    cands = [placed(cand("a"), NOW), placed(cand("b", prefilling=30), NOW - 60.0)]
+    assert policy().select(cands, small, NOW).backend == "a"
+    cands = [placed(cand("a"), NOW), placed(cand("b", prefilling=15), NOW - 60.0)]
+    assert policy().select(cands, small, NOW).backend == "b"
+
+
+def test_never_given_one_counts_as_least_recent_and_equal_recency_goes_by_cost_then_hash() -> None:
+    cands = [placed(cand("a"), NOW), cand("b", prefilling=10)]  # b: never (placed_at -inf)
+    assert policy().select(cands, req(), NOW).backend == "b"
+    both = [placed(cand("a", prefilling=10), NOW), placed(cand("b"), NOW)]
+    assert policy().select(both, req(), NOW).backend == "b"  # equally recent: the cheaper
+    tied = [cand("a"), cand("b")]
+    picks = {policy().select(tied, req(key=f"k{i}"), NOW).backend for i in range(20)}
+    assert picks == {"a", "b"}  # equal in everything: the per-key rendezvous hash
+
+
+def test_a_burst_of_new_conversations_alternates_over_equal_backends() -> None:
+    """Eight sessions arriving 10 ms apart onto two idle engines, each queueing its prefill where it goes
+    (as the gateway's ledger does): the placements alternate, so consecutive starters never share one. (By
+    cost alone the third would join the second, whose prompt is 10 tokens shorter: then the fourth the
+    first, and so on: which sessions share an engine decided by a few tokens of their prompts.)"""
+    p = policy()
+    state = {"a": cand("a"), "b": cand("b")}
+    order = []
+    for i in range(8):
+        now = NOW + 0.01 * i
+        r = req(key=f"session-{i}", prompt_tokens=3010 if i % 2 == 0 else 3000)
+        d = p.select(list(state.values()), r, now)
+        assert d.backend is not None and d.reason is Reason.NEW_CHEAPEST
+        c = state[d.backend]
+        state[d.backend] = c._replace(in_flight=c.in_flight + 1, prefilling=c.prefilling + r.prompt_tokens,
+                                      placed_at=now)  # fmt: skip
+        order.append(d.backend)
+    assert order[0::2] == [order[0]] * 4 and order[1::2] == [order[1]] * 4 and order[0] != order[1]
+
+
+def test_a_pinned_conversation_is_not_moved_by_recency() -> None:
+    cands = [placed(cand("p"), NOW), placed(cand("x"), NOW - 100.0)]
+    d = policy().select(cands, req(pinned="p"), NOW)
+    assert (d.backend, d.reason) == ("p", Reason.AFFINITY_HIT)
+
+
+def test_a_repin_takes_the_cheapest_not_the_least_recent() -> None:
+    down = cand("p", state=BackendState.DOWN)
+    cands = [down, placed(cand("a"), NOW), placed(cand("b", prefilling=5), NOW - 100.0)]
+    d = policy().select(cands, req(pinned="p"), NOW)
+    assert (d.backend, d.reason) == ("a", Reason.REPIN_UNHEALTHY)

@@ -28,6 +28,7 @@ candidates = st.lists(
         prefill_tps=st.one_of(st.just(0.0), st.floats(10.0, 1e5)),
         waiting=st.integers(-1, 40),
         retention=st.one_of(st.just(1.0), st.floats(0.0, 1.0)),
+        placed_at=st.one_of(st.just(float("-inf")), st.floats(0.0, 100.0)),
     ),
     max_size=5,
     unique_by=lambda c: c.id,
@@ -74,15 +75,25 @@ def test_equal_inputs_give_equal_decisions_on_every_replica(cands: list[Candidat
 
 @settings(max_examples=200, deadline=None)
 @given(candidates, requests)
-def test_explained_costs_rank_the_chosen_new_conversation_first(
+def test_explained_costs_rank_cheapest_first_and_a_new_conversation_goes_to_a_near_cheapest(
     cands: list[Candidate], r: RouteRequest
 ) -> None:
+    """Cheapest first; a retry takes the cheapest, a new conversation one within the spread margin of it
+    that no backend within the margin was given a new conversation less recently than."""
     r = RouteRequest(r.key, None, r.exclude, r.prompt_tokens, r.head_tokens, r.tail_tokens, r.turn_tokens,
                      r.holders, None, explain=True)  # fmt: skip
     d = POLICY.select(cands, r, 0.0)
     if d.backend is not None:
-        assert d.costs[0].backend == d.backend
         assert [c.total_s for c in d.costs] == sorted(c.total_s for c in d.costs)
+        if r.exclude:
+            assert d.backend == d.costs[0].backend
+            return
+        cheapest = d.costs[0].total_s
+        limit = cheapest + max(0.02, 0.05 * cheapest)
+        near = {c.backend for c in d.costs if c.total_s <= limit}
+        assert d.backend in near
+        at = {c.id: c.placed_at for c in cands}
+        assert at[d.backend] == min(at[b] for b in near)
 
 
 @settings(max_examples=400, deadline=None)

@@ -1,3 +1,4 @@
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -153,6 +154,12 @@ def test_summary_counts_moves_with_reasons_and_turn1_load() -> None:
     assert stats["turn1_split"] == [3, 0, 0] and stats["turn1_load_max_mean"] == 3.0
     assert stats["owner_share"] == 0.5 and stats["cached_share"] == 0.5
     assert stats["followup_ttft_ms"] == pytest.approx(200.0)
+    # which sessions share an engine, and why each went there
+    assert stats["turn1_placement"] == [
+        [0, 0, "affinity_hit"],
+        [1, 0, "affinity_hit"],
+        [2, 0, "affinity_hit"],
+    ]
     medians = {"a": bench_agents_report.medians([stats, {**stats, "followup_ttft_ms": 400.0}])}
     medians["oracle"] = bench_agents_report.medians([{**stats, "followup_ttft_ms": 100.0}])
     medians["translated"] = bench_agents_report.medians([{"skipped": "no"}])
@@ -197,3 +204,20 @@ def test_engines_are_configured_with_the_shapes_they_serve_translated_ones_witho
     }
     codex = dict(bench_agents.backend_keys(bench_agents.SCENARIOS["codex"], translated=True))
     assert codex == {"native_shapes": ["chat", "completions", "messages"]}
+
+
+def test_the_seed_and_a_tree_reach_the_agent_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--seed`` is the sessions' seed; ``policy%NAME`` without ``--tree NAME=PATH`` is refused."""
+    from tools import bench
+
+    monkeypatch.setattr(bench_agents, "SEED", [0])  # restored after: the command line sets it in place
+    started: list[str] = []
+    monkeypatch.setattr(
+        bench_agents, "run_scenario", lambda name, *_: started.append(name) or {"medians": {}}
+    )
+    assert bench.main(["--scenario", "codex", "--seed", "7", "--no-plot"]) == 0
+    assert bench_agents.SEED == [7] and started == ["codex"]
+    sc = bench_agents.SCENARIOS["codex"]
+    run = bench_agents.run_variant(None, None, {"native": []}, sc, "ttft%main", "1", 1.0, None)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match="give --tree main=PATH"):
+        asyncio.run(run)
