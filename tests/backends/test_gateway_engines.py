@@ -25,6 +25,7 @@ from backends.events import Command, Operator
 from backends.lifecycle import Lifecycle
 from config.settings import load_settings
 from gateway.app import Gateway
+from gateway.observe import Observation
 from gateway.readiness import readyz_backends
 from routing.types import BackendState
 from tools import procs
@@ -68,11 +69,31 @@ class Timeline:
 
 
 @contextlib.asynccontextmanager
-async def gateway(backends: list[dict[str, Any]], **overrides: Any) -> AsyncIterator[tuple[str, Gateway]]:
+async def gateway(
+    backends: list[dict[str, Any]], modules: tuple[object, ...] = (), **overrides: Any
+) -> AsyncIterator[tuple[str, Gateway]]:
     overrides.setdefault("health", FAST_HEALTH)
     settings = load_settings(None, backends=backends, **overrides)
-    async with served_gateway(settings, SIM_START_TIMEOUT_S) as served:
+    async with served_gateway(settings, SIM_START_TIMEOUT_S, modules) as served:
         yield served
+
+
+class Finished:
+    """An observer after the gateway's own (its metrics among them): counts the requests finished."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed = asyncio.Event()
+
+    def observe(self, obs: Observation) -> None:
+        self.count += 1
+        self.changed.set()
+
+    async def until(self, n: int, within: float = SIM_START_TIMEOUT_S) -> None:
+        async with asyncio.timeout(within):
+            while self.count < n:
+                self.changed.clear()
+                await self.changed.wait()
 
 
 def backend(bid: str, url: str, **extra: Any) -> dict[str, Any]:
@@ -274,14 +295,16 @@ async def test_the_repetition_guard_trips_on_the_repeat_fault_and_not_on_normal_
     sims: SimFactory, action: str
 ) -> None:
     (sim,) = sims([])
-    guard = {"repeat_count": 8, "action": action}
-    async with gateway([backend("a", sim)], guard=guard) as (url, gw), httpx.AsyncClient() as c:
+    guard, finished = {"repeat_count": 8, "action": action}, Finished()
+    async with gateway([backend("a", sim)], (finished,), guard=guard) as (url, gw), httpx.AsyncClient() as c:
         tl = Timeline(gw)
         await tl.until(lambda: state(gw, "a") is S.READY)
         normal = await c.post(url + "/v1/chat/completions", json=stream_chat(64))
         assert normal.text.endswith("data: [DONE]\n\n") and "event: error" not in normal.text
         await faults(c, sim, repeat_token=True)  # admitted already: the canary does not run again
         looping = await c.post(url + "/v1/chat/completions", json=stream_chat(64))
+        # The client has the whole answer before the gateway's finish phase records it (metrics included):
+        await finished.until(2)
         metrics = (await c.get(url + "/metrics")).text
         trips = "warmroute_output_guard_trips_total"
         assert counter(metrics, trips, backend="a", action=action) == 1
@@ -297,6 +320,7 @@ async def test_the_repetition_guard_trips_on_the_repeat_fault_and_not_on_normal_
         assert counter(metrics, finishes, backend="a", reason="stop") + counter(
             metrics, finishes, backend="a", reason="length"
         ) == (1 if action == "end" else 2)
+        assert finished.count == 2  # the two requests, nothing else (the canary is not a proxied request)
 
 
 def test_sigterm_to_warmroute_serve_stops_its_managed_engine_and_leaves_no_child(tmp_path: Any) -> None:
