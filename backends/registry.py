@@ -31,6 +31,8 @@ class Backend:
     prefill_tps: float = 0.0  # learned (gateway.learning); 0: unknown
     retention: float = 1.0  # learned share of expected cached prefix the engine held (gateway.learning)
     signals: EngineSignals | None = None  # the last scrape of its /metrics (backends.engine_metrics)
+    #: Conversations competing for its KV cache (recently active; gateway.learning); -1: unknown.
+    competing: int = -1
 
     @property
     def id(self) -> str:
@@ -176,7 +178,8 @@ class Registry:
                     capacity = int(s.kv_capacity)
             flying = b.in_flight if in_flight is None else in_flight.get(cfg.id, 0)
             out.append(Candidate(cfg.id, b.routing_state, flying, count(cfg.id, 0), cfg.weight,
-                                 b.prefilling, b.prefill_tps, waiting, b.retention, capacity))  # fmt: skip
+                                 b.prefilling, b.prefill_tps, waiting, b.retention, capacity,
+                                 b.competing))  # fmt: skip
         return tuple(out)
 
     def lease(self, backend_id: str) -> Lease:

@@ -70,6 +70,10 @@ class Candidate(NamedTuple):
     retention: float = 1.0
     #: KV cache size in tokens its engine reports (vLLM's ``cache_config_info``); 0: unknown (no limit seen).
     kv_capacity: int = 0
+    #: Conversations that still compete for its KV cache: active ones whose last turn ended lately (within a
+    #: few of the typical pauses between turns; a finished one no longer does); -1: unknown
+    #: (``conversations`` stands).
+    competing: int = -1
 
     @property
     def routable(self) -> bool:
