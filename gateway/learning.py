@@ -251,7 +251,8 @@ class RoutingFeedback:
         if obs.first_byte_s is not None and usage is not None:
             # Only answers that report usage teach speed: anything else (a passthrough GET, a stream
             # without include_usage) may not have prefilled what was estimated.
-            self.speeds.prefill(obs.backend, uncached + info.queued_tokens, obs.first_byte_s, now)
+            queued = info.queued_tokens
+            self.speeds.prefill(obs.backend, uncached + queued, obs.first_byte_s, now, queued > 0)
         next_key = obs.key
         if not info.first_turn:
             self.turn_tokens.add(uncached)
