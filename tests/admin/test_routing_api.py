@@ -156,4 +156,5 @@ def test_explain_lists_every_routing_signal_beside_the_core_fields() -> None:
         "waiting": 2,
         "retention": 0.75,
         "kv_capacity": 16_000,
+        "competing": -1,
     }
