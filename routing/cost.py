@@ -14,21 +14,20 @@
   (``kv_capacity``, when the engine reports it).
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
-- ``load``: the other conversations competing for it (active ones whose last turn ended within a few
-  typical pauses, ``Candidate.competing``; every active one where that is unknown) and requests in flight
-  each bring about one turn's tokens soon; counting them spreads new conversations before the queue shows
-  it. A finished conversation lingers among the active ones for the whole active window but brings no next
-  turn. (Counting only the competing ones in the capacity term alone changed no placement on the pressure
-  bench; in both terms it brought that bench's turn-1 p95 from 3.6 to 2.6 s: see the routing notes.)
+- ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
+  about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
   (Retention is deliberately not in the load term: charging each active conversation of an evicting engine
   the history it lost sent new conversations to the large-cache engines until those queued: measured worse
   than without, see the routing notes.)
 - ``overflow`` (in the load term, engines that report their KV cache size): how much of this conversation
   (about this prompt and a turn) does not fit beside the conversations that compete for the cache there
-  and those in flight (each taken to be as long). That much is evicted and prefilled again every round of
-  turns, so an engine whose cache is full costs more than one with room, and conversations spread to where
-  they stay cached instead of evicting each other. (The whole overflow, not this conversation's share of
-  it, was measured worse: it kept new conversations off the small caches until the large ones queued.)
+  (each taken to be as long): the recently active ones and those in flight. (Every active one, finished
+  ones lingering in the active window included, charged both large caches of the pressure bench a full
+  "does not fit", and the term stopped telling engines apart.) That much is evicted and prefilled again
+  every round of turns, so an engine whose cache is full costs more than one with room, and conversations
+  spread to where they stay cached instead of evicting each other. (The whole overflow, not this
+  conversation's share of it, was measured worse: it kept new conversations off the small caches until the
+  large ones queued.)
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -103,8 +102,8 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
 
 
 def load_tokens(c: Candidate, request: RouteRequest) -> int:
-    """The next turns of the other conversations sharing it (``sharing``) and this one's cache overflow."""
-    return (sharing(c, request) - 1) * request.turn_tokens + overflow_tokens(c, request)
+    """The next turns of its active conversations and requests in flight, and this one's cache overflow."""
+    return (c.conversations + c.in_flight) * request.turn_tokens + overflow_tokens(c, request)
 
 
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
@@ -117,12 +116,11 @@ def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     waiting = c.waiting * turn if c.waiting > 0 else 0
     queued = c.prefilling if c.prefilling >= waiting else waiting
     prompt = request.prompt_tokens
-    n = sharing(c, request)
-    load = (n - 1) * turn
+    load = (c.conversations + c.in_flight) * turn
     capacity = c.kv_capacity
     if capacity > 0:
         size = prompt + turn
-        over = n * size - capacity
+        over = sharing(c, request) * size - capacity
         if over > 0:
             load += size if size < over else over
     if request.kv_held or c.id == request.pinned or c.id == request.hint or c.id in request.holders:

@@ -183,9 +183,7 @@ def test_the_conversations_competing_for_the_cache_replace_the_active_ones_when_
     recent = lingering._replace(competing=2)
     assert sharing(recent, r) == 3 and overflow_tokens(recent, r) == 0
     assert total_s(recent, r, 2.0) == cost(recent, r, 2.0).total_s
-    # The load term counts them too: a finished conversation brings no next turn.
-    assert cost(recent, r, 2.0).load_s == pytest.approx(2 * 600 * 2.0 / 1000)
-    assert cost(lingering, r, 2.0).load_s == pytest.approx((6 * 600 + 3600) * 2.0 / 1000)
+    assert cost(recent, r, 2.0).load_s == pytest.approx(6 * 600 * 2.0 / 1000)  # the load term: all active
     flying = recent._replace(in_flight=2)
     assert sharing(flying, r) == 5 and overflow_tokens(flying, r) == 2000  # in flight hold KV blocks too
 
@@ -198,10 +196,6 @@ def test_a_home_already_counts_its_own_conversation_among_the_competing_ones() -
     assert sharing(c._replace(competing=0), req(pinned="a")) == 1  # idle for long: not counted, so added
     # Without competing counts the policy passes a home's conversations without this one: +1 as before.
     assert sharing(cand("a", active=3), req(pinned="a")) == 4
-    # The load term is the others' next turns: this conversation's own is not one of them.
-    home = c._replace(kv_capacity=0)
-    assert cost(home, req(pinned="a", turn_tokens=600), 2.0).load_s == pytest.approx(3 * 600 * 2.0 / 1000)
-    assert cost(home, req(pinned="b", turn_tokens=600), 2.0).load_s == pytest.approx(4 * 600 * 2.0 / 1000)
 
 
 def test_a_new_conversation_skips_a_large_cache_full_only_of_finished_conversations_no_more() -> None:
