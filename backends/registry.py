@@ -32,6 +32,8 @@ class Backend:
     retention: float = 1.0  # learned share of expected cached prefix the engine held (gateway.learning)
     signals: EngineSignals | None = None  # the last scrape of its /metrics (backends.engine_metrics)
     placed_at: float = float("-inf")  # monotonic time it was last given a new conversation (``placed``)
+    #: Conversations competing for its KV cache (recently active; gateway.learning); -1: unknown.
+    competing: int = -1
 
     @property
     def id(self) -> str:
@@ -178,7 +180,7 @@ class Registry:
             flying = b.in_flight if in_flight is None else in_flight.get(cfg.id, 0)
             out.append(Candidate(cfg.id, b.routing_state, flying, count(cfg.id, 0), cfg.weight,
                                  b.prefilling, b.prefill_tps, waiting, b.retention, capacity,
-                                 b.placed_at))  # fmt: skip
+                                 b.placed_at, b.competing))  # fmt: skip
         return tuple(out)
 
     def placed(self, backend_id: str, now: float) -> None:

@@ -54,6 +54,10 @@ _MAX_ENTRIES = 200_000
 _HELD_SHARE = 0.5
 #: Learned rates and retention are recomputed and published at most this often (seconds).
 _REFRESH_S = 0.25
+#: A conversation competes for its engine's KV cache while its pause since its last turn is within this
+#: many typical pauses (the mean one learned; never past the active window): one idle for longer has most
+#: likely finished.
+COMPETING_PAUSES = 4.0
 
 
 class RoutingFeedback:
@@ -77,6 +81,9 @@ class RoutingFeedback:
         self.holders = HeadHolders(_MAX_ENTRIES)  # head key -> its holders and its latest turn 1's backend
         self.chars_per_token = Ewma(DEFAULT_CHARS_PER_TOKEN)
         self.turn_tokens = Ewma(DEFAULT_TURN_TOKENS)
+        #: The pause between a turn's end and the conversation's next turn (seconds; learned, the window's
+        #: share as the prior). ``active`` only knows when pins were used to within a generation's width.
+        self.pause_s = Ewma(params.active_window_s / COMPETING_PAUSES)
         self._publish_rates()
 
     # -- before routing -------------------------------------------------------------------------------
@@ -160,9 +167,17 @@ class RoutingFeedback:
         return tuple(sorted(held.items()))
 
     def conversations(self) -> Mapping[str, int]:
-        """Active conversations per backend: what the ttft policy counts where affinity counts pins."""
-        self.active.expire(self.clock())
-        return self.active.counts()
+        """Active conversations per backend: what the ttft policy counts where affinity counts pins. Also
+        publishes those competing for each backend's KV cache (``Backend.competing``): the active ones whose
+        pause is within ``COMPETING_PAUSES`` typical pauses."""
+        now = self.clock()
+        active = self.active
+        active.expire(now)
+        window = min(active.ttl_s, max(active.width_s, COMPETING_PAUSES * self.pause_s.value))
+        recent = active.recent_counts(now - window)
+        for b in self.registry.backends.values():
+            b.competing = recent.get(b.id, 0)
+        return active.counts()
 
     def explain(
         self, ctx: RequestContext, pinned: str | None, in_flight: Mapping[str, int] | None, policy: Policy
@@ -200,6 +215,10 @@ class RoutingFeedback:
             if estimate is None:
                 estimate = self.kv.held(info.head_key, backend)
             info.kv_estimate = -1 if estimate is None else estimate
+        if not info.first_turn:
+            entry = self.active.entry(ctx.affinity_key)
+            if entry is not None:  # its last turn ended at most this long ago (its generation's latest use)
+                self.pause_s.add(max(0.0, self.clock() - (entry[1] - self.active.ttl_s)))
         self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
         self.holders.add(info.head_key, backend, info.first_turn)
 
@@ -232,7 +251,8 @@ class RoutingFeedback:
         if obs.first_byte_s is not None and usage is not None:
             # Only answers that report usage teach speed: anything else (a passthrough GET, a stream
             # without include_usage) may not have prefilled what was estimated.
-            self.speeds.prefill(obs.backend, uncached + info.queued_tokens, obs.first_byte_s, now)
+            queued = info.queued_tokens
+            self.speeds.prefill(obs.backend, uncached + queued, obs.first_byte_s, now, queued > 0)
         next_key = obs.key
         if not info.first_turn:
             self.turn_tokens.add(uncached)

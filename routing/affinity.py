@@ -127,6 +127,24 @@ class AffinityTable:
         """Pinned conversations per backend (a live view; copy it to keep it)."""
         return self._counts
 
+    def recent_counts(self, since: float) -> dict[str, int]:
+        """Pins per backend used at ``since`` or later, by whole generations: one whose latest use is at
+        ``since`` or later counts whole, so a pin used up to one generation's width earlier may count too."""
+        out: dict[str, int] = {}
+        names = self._names
+        for gen in reversed(self._gens):
+            if gen.last < since:
+                break
+            for index, n in gen.counts.items():
+                name = names[index]
+                out[name] = out.get(name, 0) + n
+        return out
+
+    @property
+    def width_s(self) -> float:
+        """A generation's span of time: the granularity of ``recent_counts``."""
+        return self._width
+
     def expire(self, now: float) -> None:
         gens, ttl_s = self._gens, self.ttl_s
         while gens and gens[0].last + ttl_s <= now:  # ``_expiry`` inline: asked several times a request

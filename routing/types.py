@@ -73,6 +73,10 @@ class Candidate(NamedTuple):
     #: When (monotonic seconds) it was last given a new conversation; -inf: never. Among backends whose
     #: costs are within a small margin, a new conversation goes to the one given one least recently.
     placed_at: float = float("-inf")
+    #: Conversations that still compete for its KV cache: active ones whose last turn ended lately (within a
+    #: few of the typical pauses between turns; a finished one no longer does); -1: unknown
+    #: (``conversations`` stands).
+    competing: int = -1
 
     @property
     def routable(self) -> bool:

@@ -308,11 +308,13 @@ async def run_variant(
         event.cancel()
         wall = time.monotonic() - t0
         reasons = await _reasons(client, gateway) if gateway is not None else {}
+        learned = await _learned_tps(client, gateway, engines) if gateway is not None else {}
         queued = await _queued(client, gateway) if "admission" in extras and gateway is not None else {}
     finally:
         if gateway is not None:
             launch.stop(gateway)
-    return {**summarize(records, engines, sc, event_at, wall, time_scale), **queued, "reasons": reasons}
+    summary = summarize(records, engines, sc, event_at, wall, time_scale)
+    return {**summary, **queued, "reasons": reasons, **learned}
 
 
 async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:
@@ -325,6 +327,23 @@ async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:
             if (n := int(float(line.rsplit(" ", 1)[1]))) > 0:
                 out[reason] = n
     return out
+
+
+async def _learned_tps(
+    client: httpx.AsyncClient, gateway: Child, engines: Sequence[Engine]
+) -> dict[str, Any]:
+    """The prefill rate the gateway learned per engine by the end of the run (ttft policy; tokens/s)."""
+    return {"learned_tps": learned_from_metrics((await client.get(f"{gateway.url}/metrics")).text, engines)}
+
+
+def learned_from_metrics(text: str, engines: Sequence[Engine]) -> list[int]:
+    prefix = "warmroute_backend_prefill_tokens_per_second{"
+    rates: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            backend = line.split('backend="', 1)[1].split('"', 1)[0]
+            rates[backend] = float(line.rsplit(" ", 1)[1])
+    return [round(rates.get(e.id, 0.0)) for e in engines]
 
 
 async def _queued(client: httpx.AsyncClient, gateway: Child) -> dict[str, Any]:
@@ -504,6 +523,7 @@ def _brief(result: dict[str, Any]) -> str:
         "slowed_share_before",
         "slowed_share_after_30s",
         "split",
+        "learned_tps",
         "reasons",
         "errors",
     )

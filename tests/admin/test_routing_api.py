@@ -157,6 +157,7 @@ def test_explain_lists_every_routing_signal_beside_the_core_fields() -> None:
         "retention": 0.75,
         "kv_capacity": 16_000,
         "placed_at": None,  # never given a new conversation (-inf): null, not a number JSON lacks
+        "competing": -1,
     }
     placed = _candidate(Candidate("a", BackendState.READY, 1, 3, 2.0, 800, 4000.0, 2, 0.75, 16_000, 12.5))
     assert placed.signals["placed_at"] == 12.5

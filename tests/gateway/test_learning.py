@@ -275,3 +275,40 @@ async def test_sessions_starting_while_a_pin_commit_is_in_flight_see_it_placed()
     await asyncio.gather(run(proxy, first), run(proxy, second))
     assert first.backend is not None and second.backend is not None
     assert {first.backend.id, second.backend.id} == {"a", "b"}
+
+
+def test_the_conversations_competing_for_a_cache_are_those_whose_pause_is_typical() -> None:
+    proxy = make_proxy(FakeTransport())
+    now = [100.0]
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: now[0])
+    a = proxy.registry.backends["a"]
+    assert a.competing == -1  # nothing published yet: the cost model counts the active ones
+    feedback.observe(observation(feedback, key="k1"))
+    feedback.observe(observation(feedback, key="k2"))
+    feedback.pause_s.value = 0.5  # as learned: 4 pauses make a 2 s window, more than a generation
+    assert feedback.conversations() == {"a": 2} and a.competing == 2
+    assert proxy.registry.candidates("m", {}, None, now[0])[0].competing == 2
+    now[0] += 3.0  # idle past 4 typical pauses: most likely finished; still active in the 10 s window
+    assert feedback.conversations() == {"a": 2} and a.competing == 0
+    assert proxy.registry.backends["b"].competing == 0
+
+
+def test_the_typical_pause_is_learned_from_follow_ups_leaving_the_active_table() -> None:
+    proxy = make_proxy(FakeTransport())
+    now = [100.0]
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: now[0])
+    prior = feedback.pause_s.value
+    assert prior == PARAMS.active_window_s / 4  # before any: the whole window counts
+    feedback.observe(observation(feedback, key="k"))
+    now[0] += 0.5
+    follow = chat([*HEAD, {"role": "assistant", "content": "x"}, {"role": "user", "content": "go"}])
+    feedback.plan(follow)
+    follow.route_key = "k"
+    assert follow.route is not None and not follow.route.first_turn
+    feedback.sent(follow, proxy.registry.lease("a"), 100)
+    assert feedback.pause_s.value == pytest.approx(prior + 0.05 * (0.5 - prior))
+    assert feedback.active.get("k", now[0]) is None  # in flight now
+    first = chat(HEAD)  # a first turn has no pause before it
+    feedback.plan(first)
+    feedback.sent(first, proxy.registry.lease("a"), 100)
+    assert feedback.pause_s.value == pytest.approx(prior + 0.05 * (0.5 - prior))

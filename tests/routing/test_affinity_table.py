@@ -106,3 +106,19 @@ def test_rejects_nonsense_bounds() -> None:
         AffinityTable(ttl_s=0, max_entries=1)
     with pytest.raises(ValueError):
         AffinityTable(ttl_s=1, max_entries=0)
+
+
+def test_recent_counts_count_whole_generations_used_since_a_time() -> None:
+    t = AffinityTable(ttl_s=TTL, max_entries=10)
+    assert t.width_s == WIDTH
+    t.move("old", "a", now=0.0)
+    t.move("mid", "a", now=3 * WIDTH)
+    t.move("new", "b", now=5 * WIDTH)
+    t.move("new2", "a", now=5 * WIDTH + 0.1)  # the same generation as "new"
+    assert t.recent_counts(5 * WIDTH) == {"b": 1, "a": 1}
+    assert t.recent_counts(5 * WIDTH + 0.05) == {"b": 1, "a": 1}  # its latest use is later: whole
+    assert t.recent_counts(3 * WIDTH) == {"b": 1, "a": 2}
+    assert t.recent_counts(-1.0) == {"b": 1, "a": 3} == dict(t.counts())
+    assert t.recent_counts(6 * WIDTH) == {}
+    t.discard("new")
+    assert t.recent_counts(5 * WIDTH) == {"a": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.cost import cached_tokens, cost, lost_history, overflow_tokens, total_s
+from routing.cost import cached_tokens, cost, lost_history, overflow_tokens, sharing, total_s
 from routing.params import RoutingParams
 from routing.policies.ttft import TtftPolicy
 from routing.retention import RetentionEstimator
@@ -173,3 +173,37 @@ def test_a_turn_leaving_a_home_that_evicted_it_goes_where_it_fits_not_where_it_e
     assert (d.backend, d.reason) == ("a", Reason.AFFINITY_HIT)
     unsized = [c._replace(kv_capacity=0) for c in (home, full, roomy)]
     assert POLICY.select(unsized, r, 0.0).backend != "a"
+
+
+def test_the_conversations_competing_for_the_cache_replace_the_active_ones_when_known() -> None:
+    r = req(prompt_tokens=3000, turn_tokens=600)  # about 3600 tokens each
+    # 6 active, finished ones among them; only 2 still compete: 3 x 3600 fit in 16,000.
+    lingering = cand("a", active=6, capacity=16_000)
+    assert sharing(lingering, r) == 7 and overflow_tokens(lingering, r) == 3600
+    recent = lingering._replace(competing=2)
+    assert sharing(recent, r) == 3 and overflow_tokens(recent, r) == 0
+    assert total_s(recent, r, 2.0) == cost(recent, r, 2.0).total_s
+    assert cost(recent, r, 2.0).load_s == pytest.approx(6 * 600 * 2.0 / 1000)  # the load term: all active
+    flying = recent._replace(in_flight=2)
+    assert sharing(flying, r) == 5 and overflow_tokens(flying, r) == 2000  # in flight hold KV blocks too
+
+
+def test_a_home_already_counts_its_own_conversation_among_the_competing_ones() -> None:
+    c = cand("a", active=5, capacity=16_000)._replace(competing=4)
+    assert sharing(c, req(pinned="a")) == 4  # this conversation is one of the 4
+    assert sharing(c, req(hint="a")) == 4
+    assert sharing(c, req(pinned="b")) == 5  # elsewhere it would be one more
+    assert sharing(c._replace(competing=0), req(pinned="a")) == 1  # idle for long: not counted, so added
+    # Without competing counts the policy passes a home's conversations without this one: +1 as before.
+    assert sharing(cand("a", active=3), req(pinned="a")) == 4
+
+
+def test_a_new_conversation_skips_a_large_cache_full_only_of_finished_conversations_no_more() -> None:
+    r = req(prompt_tokens=3000, turn_tokens=600)
+    small = cand("small", active=1, capacity=3000)._replace(competing=1)
+    large = cand("large", active=6, capacity=16_000)
+    # Every active one counted: the large cache looks full too, and the small one's lighter load wins.
+    assert POLICY.select([small, large._replace(competing=-1)], r, 0.0).backend == "small"
+    # Only 2 of its 6 still compete: it has room.
+    d = POLICY.select([small, large._replace(competing=2)], r, 0.0)
+    assert (d.backend, d.reason) == ("large", Reason.NEW_CHEAPEST)

@@ -96,3 +96,17 @@ def test_without_refresh_s_every_sample_recomputes() -> None:
     s.prefill("a", 9000, 9.0, now=0.0)
     assert s.prefill_tps["a"] < DEFAULT_PREFILL_TPS
     assert s.refresh(now=0.0) is False  # already current
+
+
+def test_a_sample_with_a_queue_ahead_counts_only_without_a_recent_queue_free_one() -> None:
+    s = SpeedEstimator({"a": 1.0, "b": 1.0}, half_life_s=10.0, prior_tokens=1000.0)
+    s.prefill("a", 4000, 1.0, now=0.0)  # nothing ahead: 4000 tok/s
+    clean = s.prefill_tps["a"]
+    # Its queue ahead was estimated at 3000 tokens, but the engine did more (it had evicted them): skipped.
+    s.prefill("a", 4000, 2.0, now=5.0, queued=True)
+    assert s.prefill_tps["a"] == clean
+    # A half-life without a queue-free sample: the queued ones are all there is, and they count.
+    s.prefill("a", 4000, 2.0, now=10.0, queued=True)
+    assert s.prefill_tps["a"] < clean
+    s.prefill("b", 4000, 2.0, now=0.0, queued=True)  # never a queue-free one: counted
+    assert s.prefill_tps["b"] < DEFAULT_PREFILL_TPS
