@@ -22,20 +22,20 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any, TypeVar
 
-from starlette.types import Receive, Scope
+from starlette.types import Receive
 
 from gateway.errors import BadRequest, GatewayError, InvalidJSON, PayloadTooLarge, ServerBusy
 from gateway.throttle import LogThrottle
 
 
-def header(scope: Scope, name: bytes) -> bytes | None:
-    """First value of a (lower-case) request header."""
-    value = dict(reversed(scope["headers"])).get(name)  # one C pass, each name's first value kept
-    return None if value is None else bytes(value)
+def first_values(headers: Sequence[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Each request header's first value, by (lower-case) name: a header sent twice counts with its first.
+    Built once per request (``RequestContext.first``); everything on the request path reads it."""
+    return dict(reversed(headers))  # one C pass, each name's first value kept
 
 
 class BodyBudget:
@@ -92,12 +92,15 @@ class Charge:
         self.taken = 0
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, charge: Charge | None = None) -> bytes:
+async def read_body(
+    headers: Mapping[bytes, bytes], receive: Receive, limit: int, charge: Charge | None = None
+) -> bytes:
     """The whole request body, or PayloadTooLarge as soon as it is known to exceed ``limit``.
 
-    With ``charge``, the bytes are taken from the worker's body budget as they arrive (all of a declared
-    length at once): BodyBudgetFull when the worker holds too much already. The caller releases it."""
-    declared = header(scope, b"content-length")
+    ``headers``: the request's first values (``first_values``), for its content-length. With ``charge``,
+    the bytes are taken from the worker's body budget as they arrive (all of a declared length at once):
+    BodyBudgetFull when the worker holds too much already. The caller releases it."""
+    declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
     if charge is not None and declared is not None and declared.isdigit():
