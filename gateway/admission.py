@@ -269,7 +269,7 @@ class AdmissionControl:
 
     def class_of(self, ctx: RequestContext) -> str:
         if ctx.client is not None and ctx.client in self._trusted:
-            asked = next((v for k, v in ctx.headers if k == CLASS_HEADER), None)
+            asked = ctx.first.get(CLASS_HEADER)
             if asked is not None and asked.decode(errors="replace") in self.specs:
                 return asked.decode()
         if ctx.client is None:

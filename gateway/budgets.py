@@ -18,7 +18,7 @@ Rules where the issue is silent:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from backends.dialects import DIALECTS
@@ -67,9 +67,7 @@ class BudgetPolicy:
     def thinks(self, name: str | None) -> bool:
         return self.model(name).thinks
 
-    def refuse(
-        self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], shape: str, path: str
-    ) -> None:
+    def refuse(self, body: dict[str, Any], headers: Mapping[bytes, bytes], shape: str, path: str) -> None:
         """For shapes that refuse a budget (``ThinkingUse.REFUSE``: /v1/completions has no chat template or
         reasoning parser). A budget or an effort in the body asks this request for one: a 400 naming the
         routes that take budgets, not a no-op. The budget and effort headers are often set on every request
@@ -86,7 +84,7 @@ class BudgetPolicy:
             (self.budget_header, self.cfg.budget_header),
             (self.effort_header, self.cfg.effort_header),
         ):
-            if _header(headers, header) is not None:
+            if _text(headers.get(header)) is not None:
                 self._ignored(shape, path, spelled)
 
     def _ignored(self, shape: str, path: str, header: str) -> None:
@@ -103,7 +101,7 @@ class BudgetPolicy:
             )
 
     def refuse_budget(
-        self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], path: str, effort: tuple[str, ...]
+        self, body: dict[str, Any], headers: Mapping[bytes, bytes], path: str, effort: tuple[str, ...]
     ) -> None:
         """For shapes with an effort only (``ThinkingUse.EFFORT``): a token budget, in the body or the
         header, is a 400 that says what to ask with instead. OpenAI's Responses API has no reasoning token
@@ -120,7 +118,7 @@ class BudgetPolicy:
                 f"'{BUDGET_FIELD}' is not a field of {path}, which has no reasoning token budget; {instead}",
                 param=BUDGET_FIELD,
             )
-        if _header(headers, self.budget_header) is not None:
+        if _text(headers.get(self.budget_header)) is not None:
             raise BadRequest(
                 f"header {self.cfg.budget_header} does not apply to {path}, which has no reasoning token "
                 f"budget; {instead}",
@@ -128,12 +126,12 @@ class BudgetPolicy:
             )
 
     def resolve(
-        self, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]], model: str | None
+        self, body: dict[str, Any], headers: Mapping[bytes, bytes], model: str | None
     ) -> Thinking | None:
-        """The request's thinking budget, ``None`` if it asks for nothing, or ``BadRequest``."""
-        first = dict(reversed(headers))  # each header's first value, in one pass (not one scan per header)
-        budget = _budget(body, _text(first.get(self.budget_header)), self.cfg.budget_header)
-        effort = _effort(body, _text(first.get(self.effort_header)), self.cfg.effort_header)
+        """The request's thinking budget, ``None`` if it asks for nothing, or ``BadRequest``. ``headers``:
+        each request header's first value (``gateway.inbound.first_values``), here and below."""
+        budget = _budget(body, _text(headers.get(self.budget_header)), self.cfg.budget_header)
+        effort = _effort(body, _text(headers.get(self.effort_header)), self.cfg.effort_header)
         _check_agreement(budget, effort)
         if budget is not None:
             _check_room(body, budget)
@@ -163,7 +161,7 @@ class BudgetPolicy:
         self,
         body: dict[str, Any],
         path: tuple[str, ...],
-        headers: Sequence[tuple[bytes, bytes]],
+        headers: Mapping[bytes, bytes],
         model: str | None,
     ) -> Thinking | None:
         """For shapes with an effort only (``ThinkingUse.EFFORT``): the body's effort at ``path`` (the shape
@@ -172,7 +170,7 @@ class BudgetPolicy:
         client's (``explicit`` False): where it cannot be applied it is not enforced (``budget_as_chat``)."""
         value = read_path(body, path)
         if value is None:
-            value = _effort({}, _header(headers, self.effort_header), self.cfg.effort_header)
+            value = _effort({}, _text(headers.get(self.effort_header)), self.cfg.effort_header)
         elif value not in EFFORTS:
             raise BadRequest(f"'{'.'.join(path)}' must be one of {', '.join(EFFORTS)}", param=".".join(path))
         return self.decide(BudgetAsk(None, None if value is None else str(value), ".".join(path)), model)
@@ -342,13 +340,6 @@ def gateway_enforces(mode: BudgetEnforcement, dialect: Dialect, thinking: Thinki
 
 
 # -- validation ---------------------------------------------------------------------------------------------
-
-
-def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1").strip()
-    return None
 
 
 def _text(value: bytes | None) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +43,10 @@ class RequestContext:
     model: str | None
     key: str  # conversation key as the endpoint computed it (or the path, for routes without conversations)
     policy: Policy
-    headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names)
+    headers: Sequence[tuple[bytes, bytes]]  # the client's request headers (lower-case names), as sent
+    #: Each header's first value by name (``gateway.inbound.first_values(headers)``), built once: what the
+    #: request path reads a header from.
+    first: Mapping[bytes, bytes]
     shape: ApiShape  # the API shape of its route: what the phases read of its body and of its answers
     started_at: float = field(default_factory=time.monotonic)
     thinking: Thinking | None = None  # the validated thinking budget (gateway/budgets.py), if any

@@ -17,7 +17,15 @@ from gateway.budgets import BudgetPolicy
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, GatewayError, MethodNotAllowed
 from gateway.identity import HEAD, Identity, KeyingMetrics, SessionIdentity
-from gateway.inbound import MAX_JSON_VALUES, BodyBudget, Charge, ClientGone, parse_object, read_body
+from gateway.inbound import (
+    MAX_JSON_VALUES,
+    BodyBudget,
+    Charge,
+    ClientGone,
+    first_values,
+    parse_object,
+    read_body,
+)
 from gateway.proxy import Proxy
 from gateway.shapes.base import ApiShape, ErrorShape, ThinkingUse
 from gateway.shapes.responses import check_response_id
@@ -69,8 +77,9 @@ class Endpoint:
         charge = Charge(self.body_budget)  # held until the request ends: the raw body is forwarded
         try:
             try:
-                raw = await read_body(scope, receive, self.max_body, charge)
-                ctx = self.context(scope, raw)
+                first = first_values(scope["headers"])  # each header's first value, once per request
+                raw = await read_body(first, receive, self.max_body, charge)
+                ctx = self.context(scope, raw, first)
                 self.record(ctx)
             except GatewayError as err:
                 await self.proxy.reject(send, err, self.errors_for(scope))
@@ -90,32 +99,32 @@ class Endpoint:
         """The error shape a refusal of this request is answered in."""
         return self.shape.errors
 
-    def context(self, scope: Scope, raw: bytes) -> RequestContext:
+    def context(self, scope: Scope, raw: bytes, first: Mapping[bytes, bytes]) -> RequestContext:
         """The shape's own fields validated, its conversation keyed (a session identity wins), its budget
-        read."""
+        read. ``first``: each request header's first value (``gateway.inbound.first_values``)."""
         shape = self.shape
         body = parse_object(raw, self.max_json_values)
         model = shape.validate(body)
         if shape.thinking is ThinkingUse.REFUSE and self.budgets is not None:
-            self.budgets.refuse(body, scope["headers"], shape.name, shape.path)
+            self.budgets.refuse(body, first, shape.name, shape.path)
         key = shape.path
         identity: Identity | None = None
         if shape.key is not None:
-            named = self.identity.identify(scope["headers"], body, model)
+            named = self.identity.identify(first, body, model)
             if named is None:
                 key = shape.key(body, model, self.routing)
             else:
                 key, identity = named
-        ctx = self.make(scope, shape.path, raw, body, model, key)
+        ctx = self.make(scope, first, shape.path, raw, body, model, key)
         ctx.identity = identity
         if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
             if shape.thinking_ask is not None:  # the shape's own fields (validated by ``shape.validate``)
                 ctx.thinking = self.budgets.decide(shape.thinking_ask(body), model)
             else:
-                ctx.thinking = self.budgets.resolve(body, scope["headers"], model)  # a bad value: a 400
+                ctx.thinking = self.budgets.resolve(body, first, model)  # a bad value: a 400
         elif shape.thinking is ThinkingUse.EFFORT and self.budgets is not None:
-            self.budgets.refuse_budget(body, scope["headers"], shape.path, shape.effort_path)
-            ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, scope["headers"], model)
+            self.budgets.refuse_budget(body, first, shape.path, shape.effort_path)
+            ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, first, model)
         return ctx
 
     def record(self, ctx: RequestContext) -> None:
@@ -135,10 +144,17 @@ class Endpoint:
             self.keying.volatile_normalised("key")
 
     def make(
-        self, scope: Scope, path: str, raw: bytes, body: dict[str, Any] | None, model: str | None, key: str
+        self,
+        scope: Scope,
+        first: Mapping[bytes, bytes],
+        path: str,
+        raw: bytes,
+        body: dict[str, Any] | None,
+        model: str | None,
+        key: str,
     ) -> RequestContext:
         ctx = RequestContext(
-            scope["method"], path, raw, body, model, key, self.policy, scope["headers"], self.shape
+            scope["method"], path, raw, body, model, key, self.policy, scope["headers"], first, self.shape
         )
         ctx.client = client_of(scope)  # the client key's configured name (gateway/auth.py), if keys are on
         peer = scope.get("client")
@@ -161,7 +177,7 @@ class Passthrough(Endpoint):
     def errors_for(self, scope: Scope) -> ErrorShape:
         return self.owned.get(scope["path"].rstrip("/"), self.shape.errors)
 
-    def context(self, scope: Scope, raw: bytes) -> RequestContext:
+    def context(self, scope: Scope, raw: bytes, first: Mapping[bytes, bytes]) -> RequestContext:
         method = scope["method"]
         if scope["path"].rstrip("/") in self.owned:  # routes we serve ourselves, with the wrong method
             raise MethodNotAllowed(f"{method} is not allowed on {scope['path']}")
@@ -175,7 +191,7 @@ class Passthrough(Endpoint):
             body = parse_object(raw, self.max_json_values)
             if "model" in body:
                 model = self.shape.validate(body)
-        return self.make(scope, path, raw, None, model, path)
+        return self.make(scope, first, path, raw, None, model, path)
 
 
 class StoredResponse(Endpoint):
@@ -188,14 +204,14 @@ class StoredResponse(Endpoint):
         super().__init__(*args, **kwargs)
         self.methods = methods
 
-    def context(self, scope: Scope, raw: bytes) -> RequestContext:
+    def context(self, scope: Scope, raw: bytes, first: Mapping[bytes, bytes]) -> RequestContext:
         if scope["method"] not in self.methods:
             raise MethodNotAllowed(
                 f"{scope['method']} is not allowed on {scope['path']}; use {', '.join(sorted(self.methods))}"
             )
         rid = check_response_id(scope.get("path_params", {}).get("response_id"), "response_id")
         path = upstream_path(scope)
-        ctx = self.make(scope, path, raw, None, None, path)
+        ctx = self.make(scope, first, path, raw, None, None, path)
         ctx.owned_id = rid
         return ctx
 

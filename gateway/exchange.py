@@ -334,7 +334,7 @@ class Relay:
             await f.before_follow_up()
         backend = ctx.lease.backend
         forward = ctx.client is None or backend.cfg.forward_client_key
-        headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
+        headers = upstream_headers(ctx.headers, ctx.first, backend.cfg.api_key, forward)
         path = (
             ctx.path if ctx.attempt is None else ctx.attempt.path
         )  # where this attempt's first exchange went

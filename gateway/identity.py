@@ -83,23 +83,22 @@ class SessionIdentity:
         return tuple(s.label for s in self.sources)
 
     def identify(
-        self, headers: Sequence[tuple[bytes, bytes]], body: Mapping[str, Any] | None, model: str
+        self, headers: Mapping[bytes, bytes], body: Mapping[str, Any] | None, model: str
     ) -> tuple[str, Identity] | None:
         """The session key and what keyed it, from the first source present; None: key by the head.
+        ``headers``: each request header's first value (``gateway.inbound.first_values``).
 
         Raises ``BadRequest`` (naming the source) for a value that is too long or holds control characters.
         """
-        first = dict(reversed(headers))  # a header sent twice: its first value, as everywhere
-        found = {k: first[k] for k in self.names if k in first}
-        if not found and (body is None or self._roots.isdisjoint(body)):
-            return None  # the common request: no source can be present (one set lookup per body field)
+        if self.names.isdisjoint(headers) and (body is None or self._roots.isdisjoint(body)):
+            return None  # the common request: no source can be present (one set lookup per name sent)
         for source in self.sources:
-            value = self._value(source, found, body)
+            value = self._value(source, headers, body)
             if not value:
                 continue
             _check(value, source.label)
             key = session_key(model, value, None if source.legacy else source.label)
-            agent = self._agent(found)
+            agent = self._agent(headers)
             if agent is None:
                 return key, Identity(source.label)
             return subagent_key(key, agent), Identity(source.label, subagent=True)

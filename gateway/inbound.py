@@ -22,20 +22,20 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any, TypeVar
 
-from starlette.types import Receive, Scope
+from starlette.types import Receive
 
 from gateway.errors import BadRequest, GatewayError, InvalidJSON, PayloadTooLarge, ServerBusy
 from gateway.throttle import LogThrottle
 
 
-def header(scope: Scope, name: bytes) -> bytes | None:
-    """First value of a (lower-case) request header."""
-    value = dict(reversed(scope["headers"])).get(name)  # one C pass, each name's first value kept
-    return None if value is None else bytes(value)
+def first_values(headers: Sequence[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Each request header's first value, by (lower-case) name: a header sent twice counts with its first.
+    Built once per request (``RequestContext.first``); everything on the request path reads it."""
+    return dict(reversed(headers))  # one C pass, each name's first value kept
 
 
 class BodyBudget:
@@ -92,12 +92,15 @@ class Charge:
         self.taken = 0
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, charge: Charge | None = None) -> bytes:
+async def read_body(
+    headers: Mapping[bytes, bytes], receive: Receive, limit: int, charge: Charge | None = None
+) -> bytes:
     """The whole request body, or PayloadTooLarge as soon as it is known to exceed ``limit``.
 
-    With ``charge``, the bytes are taken from the worker's body budget as they arrive (all of a declared
-    length at once): BodyBudgetFull when the worker holds too much already. The caller releases it."""
-    declared = header(scope, b"content-length")
+    ``headers``: the request's first values (``first_values``), for its content-length. With ``charge``,
+    the bytes are taken from the worker's body budget as they arrive (all of a declared length at once):
+    BodyBudgetFull when the worker holds too much already. The caller releases it."""
+    declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
     if charge is not None and declared is not None and declared.isdigit():
@@ -130,7 +133,6 @@ MAX_JSON_VALUES = 500_000
 
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]+")  # JSON's whitespace
-_PLAIN = re.compile(r"[^\x00-\x1f\x7f-\x9f\"\\/]*")  # a key with one spelling (no ``\\u``): its own
 _OPEN = re.compile(r"[ \t\n\r]*\{[ \t\n\r]*(\}?)")  # group 1: the object is empty
 _PLAIN_KEY = re.compile(r'[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')  # no escapes
 _COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
@@ -139,10 +141,6 @@ _COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
 _AFTER_VALUE = re.compile(r'[ \t\n\r]*(?:(\})|,[ \t\n\r]*(?:"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*)?)')
 #: The frames below a value's parse beyond the loop's own (see ``_members``).
 _HEADROOM = 4
-#: Where ``_members`` first tries the whole object at once (``_whole_object``): its values parse three
-#: levels below it (json's ``decode`` and ``raw_decode`` frames, the object), so it starts three frames
-#: higher up than the member loop, and a value nests exactly as deep either way.
-_WHOLE_AT = 3
 _scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
 E = TypeVar("E", bound=GatewayError)
@@ -233,10 +231,6 @@ def _members(text: str, idx: int, headroom: int = _HEADROOM) -> tuple[dict[str, 
     the recursion limit here must still re-encode where the key hashing runs json.dumps, a few frames deeper
     than this parse (json.loads, which parsed the whole object at once, started two levels deeper)."""
     if headroom:
-        if headroom == _WHOLE_AT:
-            whole = _whole_object(text)
-            if whole is not None:
-                return whole, len(text)
         return _members(text, idx, headroom - 1)
     decode, after, body = _DECODER.raw_decode, _AFTER_VALUE.match, {}
     key, idx = _key(text, idx)
@@ -256,37 +250,6 @@ def _members(text: str, idx: int, headroom: int = _HEADROOM) -> tuple[dict[str, 
             key, idx = _key(text, found.end())
         else:
             idx = found.end()
-
-
-def _whole_object(text: str) -> dict[str, Any] | None:
-    """The whole object at once (json's ``decode``), when no top-level key can have been sent twice unseen:
-    without a ``\\u`` escape anywhere, a key free of quotes, backslashes, slashes and control characters
-    has one spelling, its own, and each is found exactly once in the text as a key (anywhere: at any depth).
-    Else None: the member loop decides.
-    Errors are json's own, as the member loop's (it hands anything unexpected to json's ``decode`` too).
-
-    Called ``_WHOLE_AT`` frames above the member loop, so that its values parse exactly as deep as the loop's
-    would (the same nesting limit)."""
-    if text.find("\\u") >= 0:
-        return None
-    body = _DECODER.decode(text)
-    if type(body) is not dict:
-        return None
-    count = text.count
-    for key in body:
-        if not key.isidentifier() and not _PLAIN.fullmatch(key):
-            return None
-        quoted = '"' + key + '"'
-        seen = count(quoted)
-        if seen == 1:
-            continue  # the key itself, once
-        # Also a string value (``"role": "user"`` beside a ``user`` key): a string followed by a comma or a
-        # closing bracket is never a key; one followed by a colon is a key (at any depth). Any other spelling
-        # (a space before the colon or comma): the member loop.
-        keys = count(quoted + ":")
-        if keys != 1 or keys + count(quoted + ",") + count(quoted + "}") + count(quoted + "]") != seen:
-            return None
-    return body
 
 
 def _key(text: str, idx: int) -> tuple[str, int]:

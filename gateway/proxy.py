@@ -333,7 +333,7 @@ class Proxy:
                 await step.prepare(ctx, backend, attempt.draft)
             payload = attempt.draft.payload(ctx.raw)
         forward = ctx.client is None or backend.cfg.forward_client_key  # a gateway client key stays here
-        headers = upstream_headers(ctx.headers, backend.cfg.api_key, forward)
+        headers = upstream_headers(ctx.headers, ctx.first, backend.cfg.api_key, forward)
         budget = min(self.timeouts.first_byte_s, ctx.remaining(self.timeouts.request_s))
         try:
             async with asyncio.timeout(budget):

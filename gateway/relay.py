@@ -7,7 +7,7 @@ The body itself is pumped by gateway/exchange.py's ``Relay``; what is here has n
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
 from starlette.types import Message, Send
@@ -159,11 +159,14 @@ async def send_error(send: Send, err: GatewayError, errors: ErrorShape) -> None:
 
 
 def upstream_headers(
-    client: Sequence[tuple[bytes, bytes]], api_key: str | None, forward_auth: bool = True
+    client: Sequence[tuple[bytes, bytes]],
+    first: Mapping[bytes, bytes],
+    api_key: str | None,
+    forward_auth: bool = True,
 ) -> list[tuple[bytes, bytes]]:
     """What the engine gets: our framing, the client's accept and request id, and the right credentials
-    (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway)."""
-    first = dict(reversed(client))  # each header's first value, in one C pass
+    (the client's own Authorization only with ``forward_auth``; the backend's ``api_key`` wins anyway).
+    ``client``: the request's headers as sent; ``first``: each one's first value (``ctx.first``)."""
     accept, request_id = first.get(b"accept"), first.get(b"x-request-id")
     auth = first.get(b"authorization") if forward_auth else None
     if accept == b"" or request_id == b"" or auth == b"":  # sent empty first: the first one not empty

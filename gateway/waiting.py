@@ -125,7 +125,7 @@ class WaitingRoom:
     def _maybe_hold(self, ctx: RequestContext, claim: Claim) -> None:
         if not self.cfg.hold_header:
             return
-        value = next((v for k, v in ctx.headers if k == HOLD_HEADER), None)
+        value = ctx.first.get(HOLD_HEADER)
         if value is None or not self.may_hold(ctx):
             return
         try:

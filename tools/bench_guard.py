@@ -103,7 +103,7 @@ async def relay_cpu_per_chunk(guard: bool, chunks: list[bytes], streams: int) ->
     started = time.process_time()
     for _ in range(streams):
         ctx = RequestContext(
-            "POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], CHAT
+            "POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], {}, CHAT
         )
         await proxy.forward(receive, send, ctx)
     return (time.process_time() - started) / (streams * len(chunks)) * 1e6

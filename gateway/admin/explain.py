@@ -23,6 +23,7 @@ from gateway.admin.models import CandidateView, CostView, ExplainRequest, Explan
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest
+from gateway.inbound import first_values
 from gateway.ownership import ResponseOwnership
 from gateway.state import AffinityStore
 from routing.policies import Policy
@@ -106,7 +107,7 @@ class Explainer:
             for k, v in req.headers.items()
         ]
         scope: dict[str, Any] = {"type": "http", "method": "POST", "path": req.path, "headers": headers}
-        return endpoint.context(scope, raw)  # BadRequest for what the endpoint would refuse
+        return endpoint.context(scope, raw, first_values(headers))  # BadRequest as the endpoint would
 
 
 async def _unsent(_message: Message) -> None:

@@ -14,6 +14,7 @@ from backends.registry import Registry
 from config.settings import load_settings
 from gateway.admission import AdmissionControl
 from gateway.context import RequestContext
+from gateway.inbound import first_values
 from gateway.metrics import AdmissionMetrics, Metrics
 from gateway.shapes.table import CHAT
 from gateway.state import MemoryAffinityStore
@@ -78,7 +79,16 @@ def context(client: str | None, label: str, *, stream: bool = False, headers: An
     }
     raw = json.dumps(body).encode()
     ctx = RequestContext(
-        "POST", "/v1/chat/completions", raw, body, "m", label, RoundRobinPolicy(), list(headers), CHAT
+        "POST",
+        "/v1/chat/completions",
+        raw,
+        body,
+        "m",
+        label,
+        RoundRobinPolicy(),
+        list(headers),
+        first_values(headers),
+        CHAT,
     )
     ctx.client = client
     return ctx

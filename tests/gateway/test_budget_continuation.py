@@ -277,7 +277,9 @@ def test_a_phase_is_read_in_any_sse_framing_cut_anywhere(newline: bytes) -> None
         [b": ping", b"", b"data: " + delta("a"), b"", b"data:" + delta("b"), b"", b"data: [DONE]", b"", b""]
     )
     body = {"model": "m", "messages": MSGS, "stream": True}
-    ctx = RequestContext("POST", "/v1/chat/completions", b"{}", body, "m", "k", RoundRobinPolicy(), [], CHAT)
+    ctx = RequestContext(
+        "POST", "/v1/chat/completions", b"{}", body, "m", "k", RoundRobinPolicy(), [], {}, CHAT
+    )
     draft = Draft(body)
     draft.enforced = Thinking(5, None, True)
     cont = Continuation(ThinkingConfig(), Metrics.__new__(Metrics))

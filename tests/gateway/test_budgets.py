@@ -13,6 +13,7 @@ import pytest
 
 from config.settings import load_settings
 from gateway.app import create_app
+from gateway.inbound import first_values
 
 from upstreams import FAST_HEALTH, FakeEngine, serve
 
@@ -294,8 +295,10 @@ def test_a_budget_header_sent_twice_counts_with_its_first_value() -> None:
     policy = BudgetPolicy(ThinkingConfig(), {})
     name = policy.budget_header
     body = {"model": "m", "messages": []}
-    first = policy.resolve(body, [(b"accept", b"*/*"), (name, b" 7 "), (name, b"oops")], "m")
+    first = policy.resolve(body, first_values([(b"accept", b"*/*"), (name, b" 7 "), (name, b"oops")]), "m")
     assert first is not None and first.budget == 7 and first.explicit
     with pytest.raises(BadRequest):
-        policy.resolve(body, [(name, b"oops"), (name, b"7")], "m")
-    assert policy.resolve(body, [(b"accept", b"*/*")], "m") == policy.resolve(body, [], "m")
+        policy.resolve(body, first_values([(name, b"oops"), (name, b"7")]), "m")
+    assert policy.resolve(body, first_values([(b"accept", b"*/*")]), "m") == policy.resolve(
+        body, first_values([]), "m"
+    )

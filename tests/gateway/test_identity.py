@@ -15,6 +15,7 @@ from test_metrics import counts
 from config.settings import RoutingConfig
 from gateway.errors import BadRequest
 from gateway.identity import Identity, SessionIdentity
+from gateway.inbound import first_values
 from gateway.state import MemoryAffinityStore
 from routing.keys import chat_key, session_key, subagent_key
 
@@ -55,75 +56,82 @@ def test_the_first_source_present_wins_in_the_default_order() -> None:
         ("legacy", None),  # routing.session_header: keyed as before
     ]
     for i, (value, source) in enumerate(expected):
-        got = ids.identify(headers[i:], body, "m")
+        got = ids.identify(first_values(headers[i:]), body, "m")
         label = source or "header:x-session-id"
         assert got == (session_key("m", value, source), Identity(label))
-    assert ids.identify([], body, "m") == (
+    assert ids.identify(first_values([]), body, "m") == (
         session_key("m", "pck", "body:prompt_cache_key"),
         Identity("body:prompt_cache_key"),
     )
-    assert ids.identify([], {"metadata": {"user_id": USER_ID}}, "m") == (
+    assert ids.identify(first_values([]), {"metadata": {"user_id": USER_ID}}, "m") == (
         session_key("m", SID, "body-session:metadata.user_id"),
         Identity("body-session:metadata.user_id"),
     )
-    assert ids.identify([], {"messages": []}, "m") is None
+    assert ids.identify(first_values([]), {"messages": []}, "m") is None
 
 
 def test_todays_session_header_keys_as_it_always_did_and_a_changed_one_still_works() -> None:
-    assert identity().identify(h(x_session_id="sid-1"), None, "m") == (
+    assert identity().identify(first_values(h(x_session_id="sid-1")), None, "m") == (
         "cbc20790ac828bc957486435accc0d36",  # session_key("m", "sid-1") before sources existed
         Identity("header:x-session-id"),
     )
     moved = identity(session_header="X-Conversation")
-    assert moved.identify(h(x_conversation="sid-1"), None, "m") == (
+    assert moved.identify(first_values(h(x_conversation="sid-1")), None, "m") == (
         session_key("m", "sid-1"),
         Identity("header:x-conversation"),
     )
-    assert moved.identify(h(x_session_id="sid-1"), None, "m") is None  # the old name is just a header now
+    assert (
+        moved.identify(first_values(h(x_session_id="sid-1")), None, "m") is None
+    )  # the old name is just a header now
 
 
 def test_a_json_user_id_gives_its_session_and_one_without_a_session_is_no_identity() -> None:
     ids = identity()
     doc = json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": SID})
-    got = ids.identify([], {"metadata": {"user_id": doc}}, "m")
+    got = ids.identify(first_values([]), {"metadata": {"user_id": doc}}, "m")
     assert got is not None and got[0] == session_key("m", SID, "body-session:metadata.user_id")
     for user_id in (f"user_{'f' * 64}", json.dumps({"device_id": "d"}), {"session_id": SID}, 7):
-        assert ids.identify([], {"metadata": {"user_id": user_id}}, "m") is None
+        assert ids.identify(first_values([]), {"metadata": {"user_id": user_id}}, "m") is None
 
 
 def test_body_values_that_are_not_strings_or_empty_are_absent() -> None:
     ids = identity()
     for value in (None, "", 5, ["a"], {"a": 1}):
-        assert ids.identify([(b"x-claude-code-session-id", b"")], {"prompt_cache_key": value}, "m") is None
+        assert (
+            ids.identify(first_values([(b"x-claude-code-session-id", b"")]), {"prompt_cache_key": value}, "m")
+            is None
+        )
 
 
 def test_a_subagent_gets_its_own_key_within_its_session() -> None:
     ids = identity()
     session = session_key("m", SID, "header:x-claude-code-session-id")
-    main = ids.identify(h(x_claude_code_session_id=SID), None, "m")
+    main = ids.identify(first_values(h(x_claude_code_session_id=SID)), None, "m")
     sub = [(b"x-claude-code-session-id", SID.encode()), (b"x-claude-code-agent-id", b"agent-1"),
            (b"x-claude-code-parent-agent-id", b"main")]  # fmt: skip
     assert main == (session, Identity("header:x-claude-code-session-id"))
-    assert ids.identify(sub, None, "m") == (
+    assert ids.identify(first_values(sub), None, "m") == (
         subagent_key(session, "agent-1"),
         Identity("header:x-claude-code-session-id", subagent=True),
     )
     other = [*sub[:1], (b"x-claude-code-agent-id", b"agent-2")]
-    assert ids.identify(other, None, "m") != ids.identify(sub, None, "m")
+    assert ids.identify(first_values(other), None, "m") != ids.identify(first_values(sub), None, "m")
     # No session: the agent id alone names nothing (the head keys it); no subagent header: no split.
-    assert ids.identify(sub[1:], None, "m") is None
-    assert identity(subagent_header=None).identify(sub, None, "m") == main
+    assert ids.identify(first_values(sub[1:]), None, "m") is None
+    assert identity(subagent_header=None).identify(first_values(sub), None, "m") == main
 
 
 def test_configured_sources_replace_the_defaults_and_an_empty_list_keys_by_head() -> None:
     ids = identity(session_sources=["body:metadata.conversation", "header:x-team-session"])
     assert ids.labels == ("body:metadata.conversation", "header:x-team-session")
     headers = [(b"x-claude-code-session-id", b"c"), (b"x-team-session", b"t")]
-    assert ids.identify(headers, {}, "m") == (session_key("m", "t", "header:x-team-session"),
+    assert ids.identify(first_values(headers), {}, "m") == (session_key("m", "t", "header:x-team-session"),
                                                Identity("header:x-team-session"))  # fmt: skip
-    got = ids.identify(headers, {"metadata": {"conversation": "conv"}}, "m")
+    got = ids.identify(first_values(headers), {"metadata": {"conversation": "conv"}}, "m")
     assert got is not None and got[1] == Identity("body:metadata.conversation")
-    assert identity(session_sources=[]).identify(headers, {"prompt_cache_key": "p"}, "m") is None
+    assert (
+        identity(session_sources=[]).identify(first_values(headers), {"prompt_cache_key": "p"}, "m") is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -145,7 +153,7 @@ def test_a_value_too_long_or_with_control_characters_is_a_400_naming_its_source(
 ) -> None:
     caplog.set_level(logging.INFO, "warmroute.identity")
     with pytest.raises(BadRequest) as exc:
-        identity().identify(headers, body, "m")
+        identity().identify(first_values(headers), body, "m")
     assert exc.value.param == param
     assert exc.value.message.startswith(f"session identity from {param} {why}")
     assert [r.getMessage() for r in caplog.records] == [f"rejected a request: {exc.value.message}"]

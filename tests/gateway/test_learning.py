@@ -11,6 +11,7 @@ from test_proxy_phases import backends_ab, make_proxy, run
 
 from gateway.context import RequestContext
 from gateway.identity import Identity
+from gateway.inbound import first_values
 from gateway.learning import RoutingFeedback
 from gateway.observe import Observation, RouteInfo, Usage
 from gateway.outcomes import RequestOutcome
@@ -47,8 +48,9 @@ def v2_proxy(fake: FakeTransport) -> tuple[Proxy, RoutingFeedback]:
 
 def chat(messages: list[dict[str, Any]], headers: list[tuple[bytes, bytes]] | None = None) -> RequestContext:
     body = {"model": "m", "messages": messages, "stream": True}
+    sent = headers or []
     return RequestContext("POST", "/v1/chat/completions", json.dumps(body).encode(), body, "m",
-                          chat_key(body), POLICY, headers or [], CHAT)  # fmt: skip
+                          chat_key(body), POLICY, sent, first_values(sent), CHAT)  # fmt: skip
 
 
 async def test_twins_sharing_a_head_spread_and_each_follows_its_own_first_reply() -> None:
@@ -185,7 +187,7 @@ async def test_completions_keep_their_pin_under_ttft() -> None:
     for i in range(4):
         body = {"model": "m", "prompt": "The same long document. " * 40 + f"question {i}"}
         ctx = RequestContext(
-            "POST", "/v1/completions", json.dumps(body).encode(), body, "m", "ck", POLICY, [], COMPLETIONS
+            "POST", "/v1/completions", json.dumps(body).encode(), body, "m", "ck", POLICY, [], {}, COMPLETIONS
         )
         await run(proxy, ctx)
         assert ctx.backend is not None

@@ -84,7 +84,7 @@ def chat(**extra: Any) -> RequestContext:
     body = {"model": "m", "messages": MSGS, "stream": True, "thinking_budget": 5, **extra}
     raw = json.dumps(body).encode()
     return RequestContext(
-        "POST", "/v1/chat/completions", raw, body, "m", chat_key(body), TtftPolicy(PARAMS), [], CHAT
+        "POST", "/v1/chat/completions", raw, body, "m", chat_key(body), TtftPolicy(PARAMS), [], {}, CHAT
     )
 
 

@@ -62,7 +62,9 @@ def make_proxy(
 
 def context() -> RequestContext:
     raw = json.dumps(BODY).encode()
-    return RequestContext("POST", "/v1/chat/completions", raw, BODY, "m", "k", RoundRobinPolicy(), [], CHAT)
+    return RequestContext(
+        "POST", "/v1/chat/completions", raw, BODY, "m", "k", RoundRobinPolicy(), [], {}, CHAT
+    )
 
 
 async def run(proxy: Proxy, ctx: RequestContext) -> list[dict[str, Any]]:

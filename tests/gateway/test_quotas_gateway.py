@@ -82,7 +82,9 @@ class Rig(OneBackend):
 def context(client: str | None, *, stream: bool = False, shape: ApiShape = CHAT) -> RequestContext:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     raw = json.dumps(body).encode()
-    ctx = RequestContext("POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], shape)
+    ctx = RequestContext(
+        "POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], {}, shape
+    )
     ctx.client = client
     return ctx
 

@@ -70,7 +70,9 @@ async def _collect(relay: ReasoningRelay, parts: list[bytes]) -> bytes:
     from gateway.sse import EventSplitter
     from routing.policies.round_robin import RoundRobinPolicy
 
-    ctx = RequestContext("POST", "/v1/chat/completions", b"{}", {}, "m", "k", RoundRobinPolicy(), [], CHAT)
+    ctx = RequestContext(
+        "POST", "/v1/chat/completions", b"{}", {}, "m", "k", RoundRobinPolicy(), [], {}, CHAT
+    )
     attempt = Attempt(Backend(BackendConfig(id="a", url="http://a", models=["m"])), Draft({}))
     f = relay.body_filter(ctx, attempt, 200, sse=True)
     assert f is not None and f.rewrites

@@ -66,7 +66,9 @@ def relay() -> ReasoningRelay:
 def context(stream: bool) -> RequestContext:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     raw = json.dumps(body).encode()
-    return RequestContext("POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], CHAT)
+    return RequestContext(
+        "POST", "/v1/chat/completions", raw, body, "m", "k", RoundRobinPolicy(), [], {}, CHAT
+    )
 
 
 class Client:

@@ -244,7 +244,7 @@ def _context(registry: Registry):  # type: ignore[no-untyped-def]
     from gateway.context import RequestContext
     from routing.policies.least_loaded import LeastLoadedPolicy
 
-    ctx = RequestContext("POST", "/v1/responses", b"{}", {}, "m", "k", LeastLoadedPolicy(), [], RESPONSES)
+    ctx = RequestContext("POST", "/v1/responses", b"{}", {}, "m", "k", LeastLoadedPolicy(), [], {}, RESPONSES)
     ctx.lease = registry.lease("a")
     return ctx
 
