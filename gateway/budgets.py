@@ -84,7 +84,7 @@ class BudgetPolicy:
             (self.budget_header, self.cfg.budget_header),
             (self.effort_header, self.cfg.effort_header),
         ):
-            if _text(headers.get(header)) is not None:
+            if header in headers:
                 self._ignored(shape, path, spelled)
 
     def _ignored(self, shape: str, path: str, header: str) -> None:
@@ -118,7 +118,7 @@ class BudgetPolicy:
                 f"'{BUDGET_FIELD}' is not a field of {path}, which has no reasoning token budget; {instead}",
                 param=BUDGET_FIELD,
             )
-        if _text(headers.get(self.budget_header)) is not None:
+        if self.budget_header in headers:
             raise BadRequest(
                 f"header {self.cfg.budget_header} does not apply to {path}, which has no reasoning token "
                 f"budget; {instead}",

@@ -54,13 +54,10 @@ class StreamGuard:
         "_needed",
         "_runs",
         "finish",
-        "sse",
         "tripped",
     )
 
-    def __init__(
-        self, cfg: GuardConfig, *, text_key: bytes, sse: bool, finish: FinishKey = OPENAI_FINISH
-    ) -> None:
+    def __init__(self, cfg: GuardConfig, *, text_key: bytes, finish: FinishKey = OPENAI_FINISH) -> None:
         self._key = text_key  # the API shape's (``ApiShape.text_key``): ``"content":``, ``"text":``...
         self._finish = finish  # the shape's (``ApiShape.finish``): ``"finish_reason":``, ``"stop_reason":``
         self._finish_strings = finish.strings  # the key with a string value (packed events: anywhere)
@@ -69,15 +66,11 @@ class StreamGuard:
         self._runs = [0] * (cfg.max_period + 1)
         self._history: list[bytes] = []
         self._events: EventSplitter | None = None  # only for ``feed``: the relay hands ``inspect`` events
-        self.sse = sse
         self.finish: list[str] = []  # finish_reason values seen (bounded labels)
         self.tripped: bytes | None = None  # the repeated unit, once tripped
 
     def feed(self, chunk: bytes) -> bool:
-        """Inspect one chunk; True when this chunk made the stream trip (once per stream)."""
-        if not self.sse:
-            self._finish_reasons(chunk, len(chunk))
-            return False
+        """Inspect one chunk of a stream; True when this chunk made the stream trip (once per stream)."""
         if self._events is None:
             self._events = EventSplitter(_MAX_EVENT)
         return self.inspect(self._events.feed(chunk))
@@ -213,13 +206,12 @@ class OutputGuard:
     def body_filter(self, ctx: RequestContext, attempt: Attempt, status: int, sse: bool) -> BodyFilter:
         if not sse:  # a plain body is only scanned for finish reasons: no repetition state to build
             return _BodyFinish(self.metrics, ctx.shape.finish, attempt.backend.id)
-        guard = StreamGuard(self.cfg, text_key=ctx.shape.text_key, sse=sse, finish=ctx.shape.finish)
+        guard = StreamGuard(self.cfg, text_key=ctx.shape.text_key, finish=ctx.shape.finish)
         return _GuardFilter(self, guard, attempt.backend.id)
 
 
 class _BodyFinish(BodyFilterBase):
-    """A non-streamed answer's guard: its finish reasons, counted once the relay is over (as
-    ``StreamGuard.feed`` scans a plain body: chunk by chunk)."""
+    """A non-streamed answer's guard: its finish reasons, chunk by chunk, counted once the relay is over."""
 
     __slots__ = ("backend", "finish", "found", "metrics")
 
@@ -253,10 +245,6 @@ class _GuardFilter(BodyFilterBase):
             )
         return pieces
 
-    def body(self, data: bytes) -> bytes:
-        self.guard.feed(data)
-        return data
-
     def continued(self) -> None:
         # A follow-up exchange continues the answer: the "length" that ended the first one was the gateway's
         # cut, not the answer's. The repetition history stays: a loop across both is still one loop.
@@ -269,7 +257,7 @@ class _GuardFilter(BodyFilterBase):
     def _tripped(self) -> bool:
         """Count and log a degenerate stream; True when the configured action ends it here."""
         cfg, guard = self.owner.cfg, self.guard
-        action = cfg.action if guard.sse else GuardAction.RECORD
+        action = cfg.action  # a stream's (a plain body is not looked at for repetition: ``_BodyFinish``)
         self.owner.metrics.guard_tripped(self.backend, action.value)
         log.warning(
             "backend %s: output guard tripped (%r %d times in a row): %s",

@@ -113,7 +113,7 @@ def feed_cpu_per_chunk(chunks: list[bytes], streams: int) -> float:
     cfg = GuardConfig()
     started = time.process_time()
     for _ in range(streams):
-        guard = StreamGuard(cfg, text_key=CHAT.text_key, sse=True)
+        guard = StreamGuard(cfg, text_key=CHAT.text_key)
         for chunk in chunks:
             guard.feed(chunk)
     return (time.process_time() - started) / (streams * len(chunks)) * 1e6

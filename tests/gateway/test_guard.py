@@ -7,7 +7,7 @@ import json
 import pytest
 
 from config.settings import GuardConfig
-from gateway.guard import StreamGuard
+from gateway.guard import StreamGuard, _BodyFinish
 from gateway.shapes.table import CHAT, COMPLETIONS
 
 
@@ -24,7 +24,7 @@ def completion_event(text: str) -> bytes:
 
 def guard(repeat_count: int = 4, max_period: int = 3, *, completions: bool = False) -> StreamGuard:
     cfg = GuardConfig(repeat_count=repeat_count, max_period=max_period)
-    return StreamGuard(cfg, text_key=(COMPLETIONS if completions else CHAT).text_key, sse=True)
+    return StreamGuard(cfg, text_key=(COMPLETIONS if completions else CHAT).text_key)
 
 
 def trips_at(g: StreamGuard, chunks: list[bytes]) -> int | None:
@@ -93,13 +93,23 @@ def test_completions_look_at_text() -> None:
     assert trips_at(g, [completion_event("3") + b"\n\n"] * 3) == 2
 
 
+class Finished:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, list[str]]] = []
+
+    def finished(self, backend: str, reasons: list[str]) -> None:
+        self.seen.append((backend, list(reasons)))
+
+
 def test_a_json_body_only_counts_finish_reasons() -> None:
     body = json.dumps(
         {"choices": [{"message": {"content": "x x x x x x"}, "finish_reason": "stop"}] * 2}
     ).encode()
-    g = StreamGuard(GuardConfig(repeat_count=2), text_key=CHAT.text_key, sse=False)
-    assert g.feed(body) is False
-    assert g.finish == ["stop", "stop"]
+    metrics = Finished()
+    f = _BodyFinish(metrics, CHAT.finish, "a")  # type: ignore[arg-type]  # only ``finished`` is called
+    assert f.body(body) is body  # the engine's own bytes, no repetition looked for
+    f.close()
+    assert metrics.seen == [("a", ["stop", "stop"])]
 
 
 def test_a_finish_reason_after_null_ones_in_the_same_read_is_counted() -> None:
