@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tools import bench_agents, bench_fairness, bench_neighbours, bench_scenarios
+from tools import bench_agents, bench_fairness, bench_neighbours, bench_scenarios, procs
 from tools import bench_report as report
 from tools.bench_run import Outcome, Plan, run_all
 from tools.launch import Engine, Launcher, LaunchError, SimProfile, sigterm_as_interrupt
@@ -122,14 +122,10 @@ def _routing_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _trees(pairs: Sequence[str]) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        tree = Path(path).resolve()
-        if not sep or not name or not (tree / "gateway" / "cli.py").is_file():
-            raise SystemExit(f"warmroute bench: --tree expects NAME=PATH of a checkout, got {pair!r}")
-        out[name.strip()] = tree
-    return out
+    try:
+        return procs.checkouts(pairs)
+    except ValueError as err:
+        raise SystemExit(f"warmroute bench: --tree {err}") from None
 
 
 def _spec(args: argparse.Namespace, sims: bool) -> WorkloadSpec:

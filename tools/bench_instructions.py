@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from tools.bench_proxy import TOKEN_WIDTH, _gateway_config, render, upstream_argv
-from tools.procs import child, free_port, python, wait_http
+from tools.procs import checkout_env, checkouts, child, free_port, python, wait_http
 
 # ``warmroute serve`` whose engine-signal scraper (the ttft policy's) scrapes once at start, then not again
 # for an hour: its scrape every 2 s runs on the wall clock, which valgrind slows about fifty-fold, so it would
@@ -100,9 +100,7 @@ def measure(
         out_file = f"--callgrind-out-file={folder}/cg.%p.out"
         valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", out_file]
         argv = [*valgrind, *python("-c", _SERVE, "serve", "--config", str(config))]
-        if tree is not None:  # env execs valgrind: the pid callgrind_control is given stays the gateway's
-            argv = ["env", f"PYTHONPATH={tree}", *argv]
-        with child(argv, cwd=tree) as gw:
+        with child(argv, env=None if tree is None else checkout_env(tree), cwd=tree) as gw:
             wait_http(f"http://127.0.0.1:{gw_port}/readyz", timeout_s=1200.0, process=gw)
             subprocess.run(["callgrind_control", "-i", "on", str(gw.pid)], check=True, capture_output=True)
             url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
@@ -145,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     shown = list(dict.fromkeys(paths))
     trees: dict[str, Path | None] = {"": None}
     if args.trees:
-        pairs = [t.split("=", 1) for t in args.trees.split(",") if t.strip()]
-        if any(len(p) != 2 or not Path(p[1], "gateway").is_dir() for p in pairs):
-            ap.error(f"--trees: NAME=PATH pairs, each PATH a checkout with gateway/ (got {args.trees})")
-        trees = {name: Path(path).resolve() for name, path in pairs}
+        try:
+            trees = dict(checkouts([t for t in args.trees.split(",") if t.strip()]))
+        except ValueError as err:
+            ap.error(f"--trees {err}")
     up_port = free_port()
     results: dict[str, dict[str, float]] = {}
     with child(upstream_argv(up_port)) as up:

@@ -52,7 +52,7 @@ import httpx
 from tools.bench_memory import GcPauses, conversation_body, rss_bytes
 from tools.bench_proxy_report import NEW_REASONS, PathResult, Run, medians, path_lines, table, targets
 from tools.bench_report import percentile
-from tools.procs import child, free_port, python, wait_http
+from tools.procs import checkout_env, checkouts, child, free_port, python, wait_http
 
 #: The small body ``tools.bench_upstream`` sends (this benchmark sends ``conversation_body`` instead).
 BODY = {
@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             config = Path(tmp, f"gw-{len(gateways)}.yaml")
             config.write_text(json.dumps(_gateway_config(gw_port, up_port, policy)))
             gc_file = Path(tmp, f"gc-{len(gateways)}.json") if args.gc_probe else None
-            gw_proc = children.enter_context(child(_gateway_argv(config, gc_file, tree), cwd=tree))
+            env = None if tree is None else checkout_env(tree)
+            gw_proc = children.enter_context(child(_gateway_argv(config, gc_file), env=env, cwd=tree))
             wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
             gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
             gateways[name] = (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw)
@@ -386,12 +387,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "in every round; no GC probe (it imports this checkout's tools)",
     )
     args = ap.parse_args(argv)
-    trees: dict[str, Path] = {}
-    for item in filter(None, (t.strip() for t in args.trees.split(","))):
-        name, _, path = item.partition("=")
-        if not name or not Path(path, "gateway").is_dir() or name in trees:
-            ap.error(f"--trees: distinct NAME=PATH pairs, each PATH a checkout with gateway/ (got {item!r})")
-        trees[name] = Path(path).resolve()
+    try:
+        trees = checkouts([t for t in args.trees.split(",") if t.strip()])
+    except ValueError as err:
+        ap.error(f"--trees {err}")
     args.trees = trees
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not args.policies or len(set(args.policies)) != len(args.policies):
@@ -417,10 +416,8 @@ def _gateways(trees: dict[str, Path], policies: list[str]) -> list[tuple[str, Pa
     return out
 
 
-def _gateway_argv(config: Path, gc_file: Path | None, tree: Path | None = None) -> list[str]:
+def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
     serve = ("serve", "--config", str(config))
-    if tree is not None:  # env execs python: the pid whose CPU is read stays the gateway's
-        return ["env", f"PYTHONPATH={tree}", *python("-m", "gateway.cli", *serve)]
     if gc_file is None:
         return python("-m", "gateway.cli", *serve)
     return python("-c", _PROBED, str(gc_file), *serve)

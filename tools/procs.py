@@ -201,15 +201,35 @@ def child(
     *,
     stdout: Output = subprocess.DEVNULL,
     stderr: Output = subprocess.DEVNULL,
+    env: Mapping[str, str] | None = None,
     cwd: Path | str | None = None,
     group: bool = False,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """``spawn`` for the duration of a ``with`` block; ``stop`` on the way out, whatever happened."""
-    process = spawn(argv, stdout=stdout, stderr=stderr, cwd=cwd, group=group)
+    process = spawn(argv, stdout=stdout, stderr=stderr, env=env, cwd=cwd, group=group)
     try:
         yield process
     finally:
         stop(process, group=group)
+
+
+def checkouts(pairs: Sequence[str]) -> dict[str, Path]:
+    """``NAME=PATH`` pairs of checkouts to run the gateway of (the benchmarks' ``--tree``/``--trees``), by
+    name; ValueError for a pair that is not one, whose path has no ``gateway/cli.py``, or repeats a name."""
+    out: dict[str, Path] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        name, tree = name.strip(), Path(path).resolve()
+        if not sep or not name or name in out or not (tree / "gateway" / "cli.py").is_file():
+            raise ValueError(f"expects distinct NAME=PATH pairs of checkouts, got {pair!r}")
+        out[name] = tree
+    return out
+
+
+def checkout_env(tree: Path) -> dict[str, str]:
+    """This environment with ``tree``'s packages first on the path: a child run from there imports its
+    code and this venv's dependencies."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 def python(*args: str) -> list[str]:
