@@ -93,6 +93,20 @@ def overflow_tokens(c: Candidate, request: RouteRequest) -> int:
     return 0 if over <= 0 else min(size, over)
 
 
+def pressure_tokens(c: Candidate, request: RouteRequest) -> int:
+    """The load term's cache pressure: what the conversations sharing ``c``'s KV cache (``sharing``, each
+    taken to be about this prompt and a turn long) re-prefill on a round of their turns there. 0 when they
+    fit; beyond, every one of them loses the overflow (at most its size), not just the last to arrive: the
+    cache evicts the least recently used blocks, the least recently used conversation is the next to come
+    back, so with turns in rotation each arrival re-prefills what the one before it evicted."""
+    if c.kv_capacity <= 0:
+        return 0
+    size = request.prompt_tokens + request.turn_tokens
+    n = sharing(c, request)
+    over = n * size - c.kv_capacity
+    return 0 if over <= 0 else n * (size if size < over else over)
+
+
 def uncached_tokens(c: Candidate, request: RouteRequest) -> int:
     return request.prompt_tokens - cached_tokens(c, request)
 
@@ -103,8 +117,8 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
 
 
 def load_tokens(c: Candidate, request: RouteRequest) -> int:
-    """The next turns of its active conversations and requests in flight, and this one's cache overflow."""
-    return (c.conversations + c.in_flight) * request.turn_tokens + overflow_tokens(c, request)
+    """The next turns of its active conversations and requests in flight, and its cache pressure."""
+    return (c.conversations + c.in_flight) * request.turn_tokens + pressure_tokens(c, request)
 
 
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
@@ -121,9 +135,10 @@ def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     capacity = c.kv_capacity
     if capacity > 0:
         size = prompt + turn
-        over = sharing(c, request) * size - capacity
+        n = sharing(c, request)
+        over = n * size - capacity
         if over > 0:
-            load += size if size < over else over
+            load += n * (size if size < over else over)
     if request.kv_held or c.id == request.pinned or c.id == request.hint or c.id in request.holders:
         prompt -= cached_tokens(c, request)
     return queued / r + prompt / r + load * load_share / r
