@@ -19,16 +19,18 @@
   (Retention is deliberately not in the load term: charging each active conversation of an evicting engine
   the history it lost sent new conversations to the large-cache engines until those queued: measured worse
   than without, see the routing notes.)
-- ``overflow`` (in the load term, engines that report their KV cache size): how much of this conversation
-  (about this prompt and a turn) does not fit beside the conversations that compete for the cache there
-  (each taken to be as long): the recently active ones (``Candidate.competing``: a finished conversation
-  lingers among the active ones for the whole active window) and those in flight. (Counting the competing
-  ones in the load term too was measured better on the pressure bench, turn-1 p95 3.6 -> 2.6 s, but it no
-  longer balanced sequential new conversations by count, and distinct measured 1.09x main with it.) That much
-  is evicted and prefilled again every round of turns, so an engine whose cache is full costs more than
-  one with room, and conversations spread to where they stay cached instead of evicting each other. (The
-  whole overflow, not this conversation's share of it, was measured worse: it kept new conversations off
-  the small caches until the large ones queued.)
+- ``pressure`` (in the load term, engines that report their KV cache size): how much of the conversations
+  that compete for the cache there (each taken to be about this prompt and a turn long) does not fit: the
+  recently active ones (``Candidate.competing``: a finished conversation lingers among the active ones for
+  the whole active window), those in flight and this one. Every one of them re-prefills that overflow (at
+  most its size) each round of turns: the cache evicts the least recently used blocks, and with turns in
+  rotation the least recently used conversation is the next to come back. So an engine whose cache is
+  full costs more than one with room, and conversations spread to where they stay cached instead of
+  evicting each other. (Measured on the pressure bench against charging only the arriving conversation
+  its ``overflow``: turn-1 p95 2.7 s against 3.2-3.7 s, follow-up TTFT the same. The whole overflow once,
+  not once per conversation, was measured worse: a thrashed cache was still credited with its size, so
+  new conversations kept off the small caches until the large ones queued. Counting the competing ones in
+  the turn load too no longer balanced sequential new conversations by count; distinct 1.09x main.)
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
