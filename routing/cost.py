@@ -19,16 +19,18 @@
   (Retention is deliberately not in the load term: charging each active conversation of an evicting engine
   the history it lost sent new conversations to the large-cache engines until those queued: measured worse
   than without, see the routing notes.)
-- ``overflow`` (in the load term, engines that report their KV cache size): how much of this conversation
-  (about this prompt and a turn) does not fit beside the conversations that compete for the cache there
-  (each taken to be as long): the recently active ones (``Candidate.competing``: a finished conversation
-  lingers among the active ones for the whole active window) and those in flight. (Counting the competing
-  ones in the load term too was measured better on the pressure bench, turn-1 p95 3.6 -> 2.6 s, but it no
-  longer balanced sequential new conversations by count, and distinct measured 1.09x main with it.) That much
-  is evicted and prefilled again every round of turns, so an engine whose cache is full costs more than
-  one with room, and conversations spread to where they stay cached instead of evicting each other. (The
-  whole overflow, not this conversation's share of it, was measured worse: it kept new conversations off
-  the small caches until the large ones queued.)
+- ``pressure`` (in the load term, engines that report their KV cache size): how much of the conversations
+  that compete for the cache there (each taken to be about this prompt and a turn long) does not fit: the
+  recently active ones (``Candidate.competing``: a finished conversation lingers among the active ones for
+  the whole active window), those in flight and this one. Every one of them re-prefills that overflow (at
+  most its size) each round of turns: the cache evicts the least recently used blocks, and with turns in
+  rotation the least recently used conversation is the next to come back. So an engine whose cache is
+  full costs more than one with room, and conversations spread to where they stay cached instead of
+  evicting each other. (Measured on the pressure bench against charging only the arriving conversation
+  its ``overflow``: turn-1 p95 2.7 s against 3.2-3.7 s, follow-up TTFT the same. The whole overflow once,
+  not once per conversation, was measured worse: a thrashed cache was still credited with its size, so
+  new conversations kept off the small caches until the large ones queued. Counting the competing ones in
+  the turn load too no longer balanced sequential new conversations by count; distinct 1.09x main.)
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -93,6 +95,20 @@ def overflow_tokens(c: Candidate, request: RouteRequest) -> int:
     return 0 if over <= 0 else min(size, over)
 
 
+def pressure_tokens(c: Candidate, request: RouteRequest) -> int:
+    """The load term's cache pressure: what the conversations sharing ``c``'s KV cache (``sharing``, each
+    taken to be about this prompt and a turn long) re-prefill on a round of their turns there. 0 when they
+    fit; beyond, every one of them loses the overflow (at most its size), not just the last to arrive: the
+    cache evicts the least recently used blocks, the least recently used conversation is the next to come
+    back, so with turns in rotation each arrival re-prefills what the one before it evicted."""
+    if c.kv_capacity <= 0:
+        return 0
+    size = request.prompt_tokens + request.turn_tokens
+    n = sharing(c, request)
+    over = n * size - c.kv_capacity
+    return 0 if over <= 0 else n * (size if size < over else over)
+
+
 def uncached_tokens(c: Candidate, request: RouteRequest) -> int:
     return request.prompt_tokens - cached_tokens(c, request)
 
@@ -103,8 +119,8 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
 
 
 def load_tokens(c: Candidate, request: RouteRequest) -> int:
-    """The next turns of its active conversations and requests in flight, and this one's cache overflow."""
-    return (c.conversations + c.in_flight) * request.turn_tokens + overflow_tokens(c, request)
+    """The next turns of its active conversations and requests in flight, and its cache pressure."""
+    return (c.conversations + c.in_flight) * request.turn_tokens + pressure_tokens(c, request)
 
 
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
@@ -121,9 +137,10 @@ def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     capacity = c.kv_capacity
     if capacity > 0:
         size = prompt + turn
-        over = sharing(c, request) * size - capacity
+        n = sharing(c, request)
+        over = n * size - capacity
         if over > 0:
-            load += size if size < over else over
+            load += n * (size if size < over else over)
     if request.kv_held or c.id == request.pinned or c.id == request.hint or c.id in request.holders:
         prompt -= cached_tokens(c, request)
     return queued / r + prompt / r + load * load_share / r

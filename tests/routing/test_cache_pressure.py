@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from routing.cost import cached_tokens, cost, lost_history, overflow_tokens, sharing, total_s
+from routing.cost import (
+    cached_tokens,
+    cost,
+    lost_history,
+    overflow_tokens,
+    pressure_tokens,
+    sharing,
+    total_s,
+)
 from routing.params import RoutingParams
 from routing.policies.ttft import TtftPolicy
 from routing.retention import RetentionEstimator
@@ -130,8 +138,40 @@ def test_overflow_is_what_this_conversation_adds_beyond_the_cache_at_most_its_si
     in_flight = Candidate("a", READY, 4, 0, 1.0, 0, 1000.0, -1, 1.0, 16_000)
     assert overflow_tokens(in_flight, r) == 2000  # requests in flight hold KV blocks too
     c = cand("a", active=4, capacity=16_000)
-    assert cost(c, r, 2.0).load_s == pytest.approx((4 * 600 + 2000) * 2.0 / 1000)
+    assert cost(c, r, 2.0).load_s == pytest.approx((4 * 600 + 5 * 2000) * 2.0 / 1000)  # pressure: all 5
     assert total_s(c, r, 2.0) == cost(c, r, 2.0).total_s
+
+
+def test_cache_pressure_is_the_overflow_every_conversation_sharing_the_cache_re_prefills() -> None:
+    r = req(prompt_tokens=3000, turn_tokens=600)  # about 3600 tokens each
+    assert pressure_tokens(cand("a", active=3, capacity=16_000), r) == 0  # 4 x 3600 fit
+    assert pressure_tokens(cand("a", active=4, capacity=16_000), r) == 5 * 2000  # each loses the overflow
+    assert pressure_tokens(cand("a", active=9, capacity=16_000), r) == 10 * 3600  # each at most its size
+    assert pressure_tokens(cand("a", active=9, capacity=0), r) == 0  # unknown size: no pressure
+    assert pressure_tokens(cand("a", active=0, capacity=3000), r) == 600  # alone: only what does not fit
+    assert pressure_tokens(cand("a", active=1, capacity=3000), r) == 2 * 3600  # two: both cold
+    for active, capacity in ((0, 0), (3, 16_000), (4, 16_000), (9, 16_000), (1, 3000)):
+        c = cand("a", active=active, capacity=capacity)
+        load = (active * 600 + pressure_tokens(c, r)) * 2.0 / 1000
+        assert cost(c, r, 2.0).load_s == pytest.approx(load)
+        assert total_s(c, r, 2.0) == cost(c, r, 2.0).total_s
+
+
+def test_a_new_conversation_goes_where_the_cache_holds_it_not_beside_conversations_it_would_thrash() -> None:
+    # A large cache with 4 conversations (a 5th overflows it by 2000: all 5 re-prefill that each round,
+    # 10,000) against a small one with 2 (cold there anyway: 3 x 3600): the small engine's cold turns cost
+    # less than thrashing the large one. Charged only the arriving one's overflow (2000 against 3600) the
+    # large engine looked cheaper.
+    r = req(prompt_tokens=3000, turn_tokens=600)
+    small = cand("small", active=2, capacity=3000)._replace(competing=2)
+    large = cand("large", active=4, capacity=16_000)._replace(competing=4)
+    assert (pressure_tokens(small, r), pressure_tokens(large, r)) == (3 * 3600, 5 * 2000)
+    assert overflow_tokens(large, r) + 4 * 600 < overflow_tokens(small, r) + 2 * 600
+    d = POLICY.select([small, large], r, 0.0)
+    assert (d.backend, d.reason, d.pin) == ("small", Reason.NEW_CHEAPEST, PinAction.CLAIM)
+    # With 3 on the large one a 4th fits: it goes there.
+    roomy = large._replace(conversations=3, competing=3)
+    assert POLICY.select([small, roomy], r, 0.0).backend == "large"
 
 
 def test_a_new_conversation_goes_to_the_engine_with_room_not_one_whose_cache_is_full() -> None:
