@@ -53,6 +53,9 @@ class ExitInfo:
     requested: bool  # the gateway asked it to stop
     spawn_failed: bool = False
     pid: int | None = None
+    #: A stop was under way when it was told (asked for, or it found the process gone already): the gateway
+    #: was replacing or ending it, so this exit is no outage of its own.
+    stopping: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "lines": list(self.lines)}
@@ -102,7 +105,8 @@ class Supervisor:
         self._own: deque[str] = deque(maxlen=EXIT_LINES)  # the current process's output only
         self._proc: asyncio.SubprocessTransport | None = None
         self._watch: asyncio.Task[ExitInfo] | None = None
-        self._stopping = False
+        self._stopping = False  # a stop is under way
+        self._asked = False  # and it was sent while the process still ran
         self._lock = asyncio.Lock()
 
     @property
@@ -145,7 +149,7 @@ class Supervisor:
     async def _start(self) -> None:
         if self._proc is not None:
             return
-        self._stopping = False
+        self._stopping = self._asked = False
         self._own.clear()
         self._note(f"starting: {_display(self.command)}")
         try:
@@ -170,6 +174,9 @@ class Supervisor:
                 await self._run_stop_command()
             return
         self._stopping, pid = True, proc.get_pid()
+        # Asked for only if it still ran: an exit already seen but not yet told (its group being ended, its
+        # last output drained) keeps its own cause. A failed health probe can start a restart in that moment.
+        self._asked = proc.get_returncode() is None
         if self.stop_command is not None:
             await self._run_stop_command()
         else:
@@ -190,7 +197,9 @@ class Supervisor:
         await pipe.drained(_DRAIN_S)
         proc.close()
         cause, code, number = describe_exit(returncode if returncode is not None else -signal.SIGKILL)
-        info = ExitInfo(cause, code, number, time.time(), tuple(self._own), self._stopping, pid=pid)
+        info = ExitInfo(
+            cause, code, number, time.time(), tuple(self._own), self._asked, pid=pid, stopping=self._stopping
+        )
         self._note(f"pid {pid} {cause}")
         self._proc = None
         self._exited(info)
