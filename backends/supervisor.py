@@ -323,7 +323,7 @@ async def _spawn(
         env=dict(env),
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=_in_child,
     )
 
 
@@ -374,8 +374,19 @@ def _display(command: Command) -> str:
     return command if isinstance(command, str) else subprocess.list2cmdline(list(command))
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies.
-    A copy of tools/procs.py's (the product may not import tools; see tests/test_layout.py)."""
+def _in_child() -> None:
+    """Runs in the child between fork and exec: SIGINT and SIGQUIT at their defaults, and on Linux SIGTERM
+    asked of the kernel for when the parent dies.
+
+    A gateway started in the background by a shell without job control (``warmroute ... &`` in a script,
+    nohup) has SIGINT and SIGQUIT ignored, and an ignored signal survives exec: its engines would shrug off a
+    stop command's ``kill -INT`` (and Python engines never install their handler for it). Through libc, not
+    ``signal.signal``: this may run in a fork of a thread that is not the interpreter's main one."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p  # sighandler_t; 0 is SIG_DFL
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(signal.SIGINT, 0)
+        libc.signal(signal.SIGQUIT, 0)
+        if sys.platform == "linux":  # a copy of tools/procs.py's (the product may not import tools)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -247,6 +247,27 @@ async def test_the_stop_command_is_used_when_configured(supervise: Any, tmp_path
     assert info.lines == ()  # the stop command's output is not the engine's
 
 
+async def test_an_ignored_sigint_of_the_gateway_is_not_the_engines(supervise: Any, tmp_path: Path) -> None:
+    """A gateway started in the background without job control has SIGINT ignored; its engine must not
+    inherit that, or a stop command's ``kill -INT`` does nothing (and the stop ends in SIGKILL)."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sup, rec = supervise(
+            "echo $$ > engine.pid; exec sleep 300", stop_command="kill -INT $(cat engine.pid)", cwd=tmp_path
+        )
+        await sup.start()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    async with asyncio.timeout(WITHIN_S):
+        while not (tmp_path / "engine.pid").exists() or not (tmp_path / "engine.pid").read_text():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    await sup.stop()
+    assert ((await rec.exit()).signal, sup.lines().count("[warmroute] stop command exited with code 0")) == (
+        signal.SIGINT,
+        1,
+    )
+
+
 async def test_stop_without_a_process_runs_the_stop_command_of_a_detached_engine(
     supervise: Any, tmp_path: Path
 ) -> None:
