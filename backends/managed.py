@@ -344,7 +344,16 @@ class BackendController:
     def _on_exit(self, info: ExitInfo) -> None:
         self.exits.append(info)
         self.send(
-            ProcessExited(info.cause, info.code, info.signal, info.lines, info.requested, info.spawn_failed)
+            # An exit a stop found (the process had died by itself) is recorded as such, but is no outage:
+            # the restart or stop under way already answers it.
+            ProcessExited(
+                info.cause,
+                info.code,
+                info.signal,
+                info.lines,
+                info.requested or info.stopping,
+                info.spawn_failed,
+            )
         )
 
     def _managed_status(self, lc: Lifecycle, now: float, sup: Supervisor) -> dict[str, Any]:

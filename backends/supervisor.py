@@ -53,6 +53,9 @@ class ExitInfo:
     requested: bool  # the gateway asked it to stop
     spawn_failed: bool = False
     pid: int | None = None
+    #: A stop was under way when it was told (asked for, or it found the process gone already): the gateway
+    #: was replacing or ending it, so this exit is no outage of its own.
+    stopping: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "lines": list(self.lines)}
@@ -102,7 +105,8 @@ class Supervisor:
         self._own: deque[str] = deque(maxlen=EXIT_LINES)  # the current process's output only
         self._proc: asyncio.SubprocessTransport | None = None
         self._watch: asyncio.Task[ExitInfo] | None = None
-        self._stopping = False
+        self._stopping = False  # a stop is under way
+        self._asked = False  # and it was sent while the process still ran
         self._lock = asyncio.Lock()
 
     @property
@@ -145,7 +149,7 @@ class Supervisor:
     async def _start(self) -> None:
         if self._proc is not None:
             return
-        self._stopping = False
+        self._stopping = self._asked = False
         self._own.clear()
         self._note(f"starting: {_display(self.command)}")
         try:
@@ -170,6 +174,9 @@ class Supervisor:
                 await self._run_stop_command()
             return
         self._stopping, pid = True, proc.get_pid()
+        # Asked for only if it still ran: an exit already seen but not yet told (its group being ended, its
+        # last output drained) keeps its own cause. A failed health probe can start a restart in that moment.
+        self._asked = proc.get_returncode() is None
         if self.stop_command is not None:
             await self._run_stop_command()
         else:
@@ -190,7 +197,9 @@ class Supervisor:
         await pipe.drained(_DRAIN_S)
         proc.close()
         cause, code, number = describe_exit(returncode if returncode is not None else -signal.SIGKILL)
-        info = ExitInfo(cause, code, number, time.time(), tuple(self._own), self._stopping, pid=pid)
+        info = ExitInfo(
+            cause, code, number, time.time(), tuple(self._own), self._asked, pid=pid, stopping=self._stopping
+        )
         self._note(f"pid {pid} {cause}")
         self._proc = None
         self._exited(info)
@@ -314,7 +323,7 @@ async def _spawn(
         env=dict(env),
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=_in_child,
     )
 
 
@@ -365,8 +374,19 @@ def _display(command: Command) -> str:
     return command if isinstance(command, str) else subprocess.list2cmdline(list(command))
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies.
-    A copy of tools/procs.py's (the product may not import tools; see tests/test_layout.py)."""
+def _in_child() -> None:
+    """Runs in the child between fork and exec: SIGINT and SIGQUIT at their defaults, and on Linux SIGTERM
+    asked of the kernel for when the parent dies.
+
+    A gateway started in the background by a shell without job control (``warmroute ... &`` in a script,
+    nohup) has SIGINT and SIGQUIT ignored, and an ignored signal survives exec: its engines would shrug off a
+    stop command's ``kill -INT`` (and Python engines never install their handler for it). Through libc, not
+    ``signal.signal``: this may run in a fork of a thread that is not the interpreter's main one."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p  # sighandler_t; 0 is SIG_DFL
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(signal.SIGINT, 0)
+        libc.signal(signal.SIGQUIT, 0)
+        if sys.platform == "linux":  # a copy of tools/procs.py's (the product may not import tools)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -165,6 +165,15 @@ class ResponseTap:
         """The usage in what was relayed, where ``read`` finds it (the route's shape; else OpenAI's)."""
         return parse_usage(self._tail) if read is None else read(self._tail)
 
+    def ended(self, terminal: tuple[bytes, ...]) -> bool:
+        """Whether the last event relayed opens with one of ``terminal`` (its shape's end of a stream): the
+        client has the whole answer. False too where that event began before the tail kept here."""
+        tail = self._tail.rstrip()
+        cut = max(tail.rfind(b"\n\n"), tail.rfind(b"\r\n\r\n"), tail.rfind(b"\r\r"))
+        if cut < 0:
+            return self.body_bytes == len(self._tail) and tail.lstrip().startswith(terminal)
+        return tail[cut:].lstrip().startswith(terminal)
+
     def reply(self) -> str | None:
         """The reply's beginning, or None (not asked for, nothing found, or not found in time)."""
         if self._content or self._args:

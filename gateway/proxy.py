@@ -51,7 +51,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.exchange import Relay, RelayLimits, outcome_of
+from gateway.exchange import Relay, RelayLimits, answered, outcome_of
 from gateway.metrics import Metrics
 from gateway.observe import Observation
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
@@ -172,7 +172,7 @@ class Proxy:
             if not ctx.client_gone:
                 raise
             task.uncancel()
-            ctx.outcome = RequestOutcome.CLIENT_DISCONNECT
+            ctx.outcome = _after_hang_up(ctx)
         except Exception as exc:  # a defect of ours: one log entry with the trace, and no hang
             log.exception("unexpected error proxying %s %s", ctx.method, ctx.path, exc_info=exc)
             if ctx.responded:
@@ -439,6 +439,16 @@ class Proxy:
 def _status(attempt: Sent) -> int | None:
     """An attempt's answer (None: it failed without one)."""
     return None if isinstance(attempt, UpstreamError) else attempt.status
+
+
+def _after_hang_up(ctx: RequestContext) -> RequestOutcome:
+    """A client that hung up once it was sent its stream's terminal event (``[DONE]``, ``message_stop``...)
+    had its answer, whether or not the engine's body had ended yet: the request is answered, and observers
+    learn from what was relayed. Anything earlier is a disconnect."""
+    tap, upstream = ctx.tap, ctx.upstream
+    if tap is not None and upstream is not None and tap.ended(ctx.shape.terminal):
+        return answered(upstream.status)
+    return RequestOutcome.CLIENT_DISCONNECT
 
 
 async def _watch_disconnect(receive: Receive, ctx: RequestContext) -> None:

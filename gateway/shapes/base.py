@@ -144,3 +144,6 @@ class ApiShape:
     embeds_via_chat: bool = False
     #: Whose rate-limit headers a quota writes on its answers and 429s (gateway/quota_windows.py).
     ratelimit: RateLimitStyle = RateLimitStyle.OPENAI
+    #: How the event that ends its streams opens (any of them): a client that has it has the whole answer,
+    #: and may hang up before the engine's body ends (gateway/proxy.py counts that answered).
+    terminal: tuple[bytes, ...] = (b"data: [DONE]",)

@@ -296,6 +296,7 @@ MESSAGES = ApiShape(
     usage_head=USAGE_HEAD,
     reply=ReplyText(marker=b'"text_delta"', key=b'"text"', body=reply_text),
     finish=STOP_REASONS,
+    terminal=(b"event: message_stop",),
     turns=messages_shape,
     thinking_ask=thinking_ask,
     thinking_spell=spell_thinking,

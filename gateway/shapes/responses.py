@@ -248,4 +248,5 @@ RESPONSES = ApiShape(
     # attempt with images on an embeds backend goes as chat (gateway/translation.py), which takes them.
     embeds=False,
     embeds_via_chat=True,
+    terminal=(b"event: response.completed", b"event: response.incomplete"),
 )

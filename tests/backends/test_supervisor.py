@@ -18,6 +18,7 @@ import httpx
 import pytest
 from simprocs import SIM_START_TIMEOUT_S, sim_argv
 
+from backends import supervisor
 from backends.supervisor import EXIT_LINES, MAX_LINE_CHARS, ExitInfo, Supervisor, group_alive
 from tools import procs
 
@@ -246,6 +247,27 @@ async def test_the_stop_command_is_used_when_configured(supervise: Any, tmp_path
     assert info.lines == ()  # the stop command's output is not the engine's
 
 
+async def test_an_ignored_sigint_of_the_gateway_is_not_the_engines(supervise: Any, tmp_path: Path) -> None:
+    """A gateway started in the background without job control has SIGINT ignored; its engine must not
+    inherit that, or a stop command's ``kill -INT`` does nothing (and the stop ends in SIGKILL)."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sup, rec = supervise(
+            "echo $$ > engine.pid; exec sleep 300", stop_command="kill -INT $(cat engine.pid)", cwd=tmp_path
+        )
+        await sup.start()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    async with asyncio.timeout(WITHIN_S):
+        while not (tmp_path / "engine.pid").exists() or not (tmp_path / "engine.pid").read_text():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    await sup.stop()
+    assert ((await rec.exit()).signal, sup.lines().count("[warmroute] stop command exited with code 0")) == (
+        signal.SIGINT,
+        1,
+    )
+
+
 async def test_stop_without_a_process_runs_the_stop_command_of_a_detached_engine(
     supervise: Any, tmp_path: Path
 ) -> None:
@@ -265,6 +287,39 @@ async def test_restart_stops_then_starts_a_new_process(supervise: Any) -> None:
     assert len(rec.starts) == 2 and rec.starts[1] != rec.starts[0] and sup.pid == rec.starts[1]
     os.kill(rec.starts[1], signal.SIGKILL)
     assert (await rec.exit(2)).requested is False  # the new process's own exit is not "requested"
+
+
+async def test_an_exit_a_restart_finds_already_seen_keeps_its_own_cause(
+    supervise: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies by itself; before its exit is told (its group still being ended), a restart's stop
+    comes (a failed health probe started it): the exit is the process's own, not a requested one, and marked
+    as found by a stop (no outage of its own: the restart answers it)."""
+    exit_seen, release = asyncio.Event(), asyncio.Event()
+    end_group = supervisor._end_group
+
+    async def held_end_group(pgid: int) -> None:
+        exit_seen.set()  # the leader's exit is known here, and not told before ``release``
+        await release.wait()
+        await end_group(pgid)
+
+    monkeypatch.setattr(supervisor, "_end_group", held_end_group)
+    sup, rec = supervise(["sleep", "300"])
+    await sup.start()
+    os.kill(rec.starts[0], signal.SIGKILL)
+    async with asyncio.timeout(WITHIN_S):
+        await exit_seen.wait()
+    restart = asyncio.create_task(sup.restart())
+    await asyncio.sleep(0)  # one turn of the loop: the restart runs up to its wait for the exit, no further
+    assert rec.exits == [] and len(rec.starts) == 1
+    release.set()
+    async with asyncio.timeout(WITHIN_S):
+        await restart
+    (info,) = rec.exits
+    assert (info.cause, info.requested, info.stopping) == ("was killed by signal 9 (SIGKILL)", False, True)
+    assert len(rec.starts) == 2 and sup.pid == rec.starts[1]
+    await sup.stop()
+    assert (await rec.exit(2)).requested is True  # a stop of a running process is still asked for
 
 
 # -- output ---------------------------------------------------------------------------------------------

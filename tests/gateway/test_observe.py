@@ -111,3 +111,28 @@ async def test_a_failing_observer_does_not_break_the_request() -> None:
     sent = await run(proxy, ctx := context())
     assert sent[0]["status"] == 200 and len(recorder.seen) == 1
     assert ctx.lease is not None and ctx.lease.backend.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("relayed", "ended"),
+    [
+        (b'data: {"x": 1}\n\ndata: [DONE]\n\n', True),
+        (b'data: {"x": 1}\r\n\r\ndata: [DONE]\r\n\r\n', True),
+        (b"data: [DONE]\n\n", True),  # the whole stream is that one event
+        (b'data: {"x": 1}\n\n', False),
+        (b'data: {"x": 1}\n\ndata: [DONE]\n\ndata: {"late": 1}\n\n', False),  # the last event is not it
+        (b"data: [DO", False),
+        (b"", False),
+    ],
+)
+def test_the_tap_knows_whether_the_last_event_relayed_ends_the_stream(relayed: bytes, ended: bool) -> None:
+    tap = ResponseTap()
+    tap.feed(relayed)
+    assert tap.ended((b"data: [DONE]",)) is ended
+
+
+def test_a_terminal_event_longer_than_the_tail_is_not_recognised() -> None:
+    """Only the tail is kept: an event that began before it cannot be told apart (a disconnect, as before)."""
+    tap = ResponseTap()
+    tap.feed(b"event: response.completed\ndata: " + b"x" * 8192 + b"\n\n")
+    assert not tap.ended((b"event: response.completed",))
