@@ -31,6 +31,10 @@ from gateway.metrics import Metrics
 from gateway.shapes.base import ThinkingUse
 from gateway.thinking import BudgetAsk, Thinking
 
+# For ``BudgetStep.prepare`` (once per attempt): on Python 3.11 every ``ThinkingUse.X`` is a class attribute
+# load through ``EnumType.__getattr__``'s slow hook (~0.25 us each).
+_IGNORE, _EFFORT = ThinkingUse.IGNORE, ThinkingUse.EFFORT
+
 BUDGET_FIELD = "thinking_budget"
 EFFORT_FIELD = "reasoning_effort"
 EFFORTS = tuple(e.value for e in Effort)
@@ -188,13 +192,13 @@ class BudgetStep:
         self.metrics = metrics
 
     async def prepare(self, ctx: RequestContext, backend: Backend, draft: Draft) -> None:
-        if ctx.shape.thinking is ThinkingUse.IGNORE:
+        if ctx.shape.thinking is _IGNORE:
             return  # a shape without budgets: its body is the client's
         thinking = ctx.thinking
         # An attempt translated to chat (gateway/translation.py) carries chat's fields whatever its client
         # shape: it is spelled as a chat request (below), never in the client shape's own fields.
         if ctx.attempt is None or ctx.attempt.translated is None:
-            if ctx.shape.thinking is ThinkingUse.EFFORT:
+            if ctx.shape.thinking is _EFFORT:
                 self._effort(ctx, backend, draft)
                 return
             if ctx.shape.thinking_ask is not None:
@@ -282,7 +286,7 @@ def budget_as_chat(ctx: RequestContext, backend: Backend) -> bool:
     if thinking is None or not thinking.budget:
         return False
     cfg = backend.cfg
-    if ctx.shape.thinking is ThinkingUse.EFFORT:
+    if ctx.shape.thinking is _EFFORT:
         kept = ctx.body is None or ctx.body.get("store") is not False
         return not kept and gateway_enforces(cfg.budget_enforcement, cfg.dialect, thinking)
     if ctx.shape.thinking_ask is None:
