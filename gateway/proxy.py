@@ -209,16 +209,17 @@ class Proxy:
             ctx.ineligible |= rule.ineligible(ctx)
         if self.phases.route_inputs is not None:
             self.phases.route_inputs.plan(ctx)  # may set ctx.route_key (identical heads told apart)
-        view = await self._view(ctx)
+        key = ctx.affinity_key  # fixed from here on; a property is a call, read once
+        view = await self._view(ctx, key)
         ctx.pinned = view.pinned
-        backend, refused = await self._choose(ctx, view, frozenset())
+        backend, refused = await self._choose(ctx, key, view, frozenset())
         if backend is None:
             raise NoHealthyBackend(self._nothing_ready(ctx.model))
         await self._seat(ctx, backend, send)
         result = await self._attempt(ctx, backend)
         if not isinstance(result, UpstreamError) and result.status < 500:
             return result
-        retry, _ = await self._choose(ctx, view, refused | {backend})
+        retry, _ = await self._choose(ctx, key, view, refused | {backend})
         if retry is None:
             settle(self.feed, ctx.requester, [(backend, _status(result))], f"{ctx.method} {ctx.path}")
             if isinstance(result, UpstreamError):
@@ -233,7 +234,7 @@ class Proxy:
             raise second
         return second
 
-    async def _view(self, ctx: RequestContext) -> StoreView:
+    async def _view(self, ctx: RequestContext, key: str) -> StoreView:
         """The store's pin and per-backend counts, or none where they decide nothing: a policy that keeps no
         pins, with one eligible backend left (a stored response's owner: gateway/ownership.py). With Redis
         that is one round trip fewer before the request is sent."""
@@ -242,26 +243,27 @@ class Proxy:
             eligible = [b for b in self.registry.for_model(ctx.model) if b.id not in ctx.ineligible]
             if len(eligible) <= 1:
                 return _NOTHING_TO_COMPARE
-        return await self.store.view(ctx.affinity_key if policy.uses_affinity else None)
+        return await self.store.view(key if policy.uses_affinity else None)
 
     async def _choose(
-        self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]
+        self, ctx: RequestContext, key: str, view: StoreView, exclude: frozenset[str]
     ) -> tuple[str | None, frozenset[str]]:
-        """The routed backend that admits the request (and those that refused it), or None."""
+        """The routed backend that admits the request (and those that refused it), or None. ``key``: the
+        request's ``affinity_key``."""
         while True:
-            decision = self._route(ctx, view, exclude)
+            decision = self._route(ctx, key, view, exclude)
             if decision.backend is None:
                 return None, exclude
-            backend = await self._commit(ctx, decision)
+            backend = await self._commit(ctx, key, decision)
             if self.feed.admit(backend):
                 return backend, exclude
             exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
 
-    def _route(self, ctx: RequestContext, view: StoreView, exclude: frozenset[str]) -> Decision:
+    def _route(self, ctx: RequestContext, key: str, view: StoreView, exclude: frozenset[str]) -> Decision:
         inputs = self.phases.route_inputs if ctx.route is not None else None  # ttft: gateway/learning.py
         if inputs is None:
             conversations = view.conversations
-            request = RouteRequest(ctx.affinity_key, ctx.pinned, exclude)
+            request = RouteRequest(key, ctx.pinned, exclude)
         else:
             conversations, request = inputs.conversations(), inputs.request(ctx, ctx.pinned, exclude)
         now = time.monotonic()
@@ -282,11 +284,11 @@ class Proxy:
             return inputs.settle(ctx, ctx.pinned, decision)
         return decision
 
-    async def _commit(self, ctx: RequestContext, decision: Decision) -> str:
+    async def _commit(self, ctx: RequestContext, key: str, decision: Decision) -> str:
         assert decision.backend is not None
         backend = decision.backend
         if decision.pin is not _NO_PIN:
-            winner = await self.store.commit(ctx.affinity_key, decision)
+            winner = await self.store.commit(key, decision)
             ctx.pinned = winner
             if winner != backend and self._routable(winner):
                 backend = winner  # another replica claimed this conversation first
