@@ -56,7 +56,7 @@ from gateway.metrics import Metrics
 from gateway.observe import Observation
 from gateway.outcomes import NO_BACKEND_LABEL, AttemptOutcome, RequestOutcome
 from gateway.phases import Phases
-from gateway.relay import send_error, upstream_headers
+from gateway.relay import Deadline, send_error, upstream_headers
 from gateway.shapes.base import ErrorShape
 from gateway.state import AffinityStore, StoreView
 from gateway.transport import (
@@ -342,7 +342,7 @@ class Proxy:
         headers = upstream_headers(ctx.headers, ctx.first, backend.cfg.api_key, forward)
         budget = min(self.timeouts.first_byte_s, ctx.remaining(self.timeouts.request_s))
         try:
-            async with asyncio.timeout(budget):
+            async with Deadline(budget):  # asyncio.timeout's behaviour at ~half its cost (gateway/relay.py)
                 response = await self.transport.request(
                     ctx.method, backend.cfg.url, attempt.path, headers, payload
                 )
