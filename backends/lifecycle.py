@@ -76,6 +76,9 @@ from backends.events import (
 from routing.types import BackendState
 
 S = BackendState
+# For ``routable`` (per request): on Python 3.11 every ``BackendState.X`` / ``CircuitState.X`` is a class
+# attribute load through ``EnumType.__getattr__``'s slow hook (~0.25 us each).
+_READY, _OPEN = S.READY, CircuitState.OPEN
 _ADMITTED = frozenset({S.READY, S.DRAINING, S.CORDONED})
 _TAIL_LINES = 3
 _TAIL_CHARS = 400
@@ -128,7 +131,7 @@ class Lifecycle:
     @property
     def routable(self) -> bool:
         """Takes new work: READY with a circuit that is not open."""
-        return self.state is S.READY and self.circuit is not CircuitState.OPEN and not self.removed
+        return self.state is _READY and self.circuit is not _OPEN and not self.removed
 
     def restarts_in_window(self, now: float, window_s: float) -> int:
         return len(_recent(self.restarts, now, window_s))

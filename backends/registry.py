@@ -34,10 +34,12 @@ class Backend:
     placed_at: float = float("-inf")  # monotonic time it was last given a new conversation (``placed``)
     #: Conversations competing for its KV cache (recently active; gateway.learning); -1: unknown.
     competing: int = -1
+    #: ``cfg.id`` (a re-configured backend keeps its id), a plain attribute: the request path reads it ~6
+    #: times, and a property is a Python call each time.
+    id: str = field(init=False)
 
-    @property
-    def id(self) -> str:
-        return self.cfg.id
+    def __post_init__(self) -> None:
+        self.id = self.cfg.id
 
     @property
     def routing_state(self) -> BackendState:

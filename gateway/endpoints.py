@@ -32,6 +32,10 @@ from gateway.shapes.responses import check_response_id
 from routing.policies import Policy
 from routing.volatile import rules_for
 
+# The members ``Endpoint.context`` compares per request as module constants: on Python 3.11 every
+# ``ThinkingUse.X`` is a class attribute load through ``EnumType.__getattr__``'s slow hook (~0.25 us each).
+_REFUSE, _RESOLVE, _EFFORT = ThinkingUse.REFUSE, ThinkingUse.RESOLVE, ThinkingUse.EFFORT
+
 log = logging.getLogger("warmroute.endpoints")
 
 #: Methods forwarded on other /v1 routes (the OpenAI API uses these; TRACE, PROPFIND... are refused).
@@ -105,7 +109,7 @@ class Endpoint:
         shape = self.shape
         body = parse_object(raw, self.max_json_values)
         model = shape.validate(body)
-        if shape.thinking is ThinkingUse.REFUSE and self.budgets is not None:
+        if shape.thinking is _REFUSE and self.budgets is not None:
             self.budgets.refuse(body, first, shape.name, shape.path)
         key = shape.path
         identity: Identity | None = None
@@ -117,12 +121,12 @@ class Endpoint:
                 key, identity = named
         ctx = self.make(scope, first, shape.path, raw, body, model, key)
         ctx.identity = identity
-        if shape.thinking is ThinkingUse.RESOLVE and self.budgets is not None:
+        if shape.thinking is _RESOLVE and self.budgets is not None:
             if shape.thinking_ask is not None:  # the shape's own fields (validated by ``shape.validate``)
                 ctx.thinking = self.budgets.decide(shape.thinking_ask(body), model)
             else:
                 ctx.thinking = self.budgets.resolve(body, first, model)  # a bad value: a 400
-        elif shape.thinking is ThinkingUse.EFFORT and self.budgets is not None:
+        elif shape.thinking is _EFFORT and self.budgets is not None:
             self.budgets.refuse_budget(body, first, shape.path, shape.effort_path)
             ctx.thinking = self.budgets.resolve_effort(body, shape.effort_path, first, model)
         return ctx

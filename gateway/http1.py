@@ -286,6 +286,8 @@ def encode_head(
     parts = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method.encode("ascii"), target.encode("latin-1"), host)]
     if body or method in _METHODS_WITH_BODY:
         parts.append(b"content-length: %d\r\n" % len(body))
-    parts.extend(b"%s: %s\r\n" % (name, value) for name, value in headers if name not in _OWN_HEADERS)
+    for name, value in headers:  # not ``extend`` of a generator: a frame resumed per header
+        if name not in _OWN_HEADERS:
+            parts.append(b"%s: %s\r\n" % (name, value))
     parts.append(b"\r\n")
     return b"".join(parts)

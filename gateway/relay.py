@@ -131,6 +131,42 @@ class SilenceWatch:
         self._task.cancel()
 
 
+class Deadline:
+    """``asyncio.timeout(delay)``, the same behaviour for the one use per request (an attempt's wait for
+    its answer's head): on expiry the task is cancelled, and that ``CancelledError`` leaves the block as
+    ``TimeoutError``; a cancel from elsewhere (the client left) stays a cancel. On Python 3.11 the stdlib's
+    costs ~29k instructions a use (its state is an enum, each load through ``EnumType``'s slow hook), this
+    one ~half (callgrind, 2000 uses)."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_task", "_when")
+
+    def __init__(self, delay: float) -> None:
+        self._when = asyncio.get_running_loop().time() + delay
+        self._expired = False
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        loop = asyncio.get_running_loop()
+        if self._when <= loop.time():
+            self._handle: asyncio.Handle = loop.call_soon(self._expire)
+        else:
+            self._handle = loop.call_at(self._when, self._expire)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        self._handle.cancel()
+        if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc  # no other cancel came meanwhile: this one was ours
+
+    def _expire(self) -> None:
+        self._task.cancel()
+        self._expired = True
+
+
 def body(data: bytes, more: bool) -> Message:
     return {"type": "http.response.body", "body": data, "more_body": more}
 

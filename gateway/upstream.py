@@ -311,7 +311,8 @@ class UpstreamPool:
         conn.idle_since = now
         dest.idle.append(conn)
         idle = dest.idle
-        while idle and (idle[0].closing or now - idle[0].idle_since > self._idle_timeout):
+        # ``conn`` itself is neither (just released): with one idle connection nothing is asked
+        while idle[0] is not conn and (idle[0].closing or now - idle[0].idle_since > self._idle_timeout):
             idle.popleft().abort()
 
     def _abandoned(self, conn: Connection, dest: Origin) -> None:

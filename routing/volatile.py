@@ -47,7 +47,10 @@ class VolatileRules:
         # A backslash first: one byte is a memchr; a two-byte search walks every byte of a long body.
         if raw.find(b"\\") >= 0 and raw.find(b"\\u") >= 0:
             return True
-        return any(raw.find(p) >= 0 for p in _escaped(self.prefixes))
+        found = False
+        for prefix in _escaped(self.prefixes):  # not ``any()``: a generator per request
+            found = found or prefix in raw
+        return found
 
     def volatile_block(self, block: Any) -> bool:
         """A text block (``{"type": "text", "text": ...}``) whose text is volatile."""
