@@ -30,6 +30,7 @@ went and why (``turn1_placement``: which sessions share an engine).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -64,6 +65,9 @@ SEED: list[int] = [0]
 TREES: dict[str, Path] = {}
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
 TRANSLATED = report.TRANSLATED
+#: Each run's gateways share Redis under a key prefix of their own: the variants of a scenario share one
+#: Redis, and a run's pins (same sessions, same keys) would otherwise decide the next run's first turns.
+_RUN_IDS = itertools.count()
 TRANSLATED_TTFT = f"{TRANSLATED}@policy=ttft"
 BILLING_PREFIX = "x-anthropic-billing-header"
 SHAPE_FLAG = {"messages": "--no-messages-api", "codex": "--no-responses-api", "chain": "--no-responses-api"}
@@ -141,23 +145,29 @@ def _all_ready(response: httpx.Response) -> bool:
     return bool(backends) and all(b.get("state") == "ready" for b in backends.values())
 
 
+def redis_section(url: str | None) -> dict[str, Any]:
+    """The gateway config's ``redis``: a fresh key prefix per run (every replica of one run shares it)."""
+    return {"url": url, "prefix": f"warmroute-bench-{next(_RUN_IDS)}:"}
+
+
 def start_gateway(
     launch: Launcher,
     engines: Sequence[Engine],
     routing: dict[str, Any],
     name: str,
-    redis_url: str | None,
+    redis: dict[str, Any],
     backend: Sequence[tuple[str, Any]] = (),
     source: Path | None = None,
 ) -> Child:
-    """``source``: the checkout whose gateway runs (None: this one)."""
+    """``redis``: the config's section (``redis_section``); ``source``: the checkout whose gateway runs
+    (None: this one)."""
     port = free_port()
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
         "backends": [{"id": e.id, "url": e.url, "models": [MODEL], **dict(backend)} for e in engines],
         "routing": routing,
         "health": {"interval_s": 1, "timeout_s": 2, "fail_threshold": 2},
-        "redis": {"url": redis_url},
+        "redis": redis,
     }
     path = launch.workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))
@@ -258,9 +268,10 @@ async def run_variant(
     gateways = []
     try:
         if policy != report.ORACLE:
+            redis = redis_section(redis_url)  # one prefix for this run's replicas
             gateways = [
                 start_gateway(
-                    launch, engines, routing, f"gw-{label}-{i}", redis_url, backend, TREES.get(tree)
+                    launch, engines, routing, f"gw-{label}-{i}", redis, backend, TREES.get(tree)
                 )
                 for i in range(sc.replicas)
             ]
