@@ -270,9 +270,7 @@ async def run_variant(
         if policy != report.ORACLE:
             redis = redis_section(redis_url)  # one prefix for this run's replicas
             gateways = [
-                start_gateway(
-                    launch, engines, routing, f"gw-{label}-{i}", redis, backend, TREES.get(tree)
-                )
+                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis, backend, TREES.get(tree))
                 for i in range(sc.replicas)
             ]
             if name == TRANSLATED and (why := await _probe(client, gateways[0].url, sc.shape)) is not None:
