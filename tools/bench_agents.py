@@ -19,12 +19,15 @@ Sessions pause between turns (the agent running a tool: ``AgentSpec.pause_s``, t
   4 engines: turn-1 load max/mean.
 
 Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), ``oracle`` (session i straight
-to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``,
-or the policy it names as in ``translated@policy=ttft``, against engines with the native shape turned off: the
-gateway must translate; compared with its native twin; the variant says so and is skipped when the gateway
-cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as ``--tree NAME=PATH``; ``--seed``
-draws other sessions (sizes, pauses, text, session ids). Each run lists where every session's first turn
-went and why (``turn1_placement``: which sessions share an engine).
+to engine i mod K, chains to the engine that holds their previous response; ``oracle@shift=1``: to engine
+(i + 1) mod K, the same grouping with the engines' labels turned, for a gateway that placed it so: engines
+differ in their replies' lengths, seeded per engine, so a grouping's TTFT depends on its labels too) and
+``translated`` (``affinity``, or the policy it names as in ``translated@policy=ttft``, against engines with
+the native shape turned off: the gateway must translate; compared with its native twin; the variant says so
+and is skipped when the gateway cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as
+``--tree NAME=PATH``; ``--seed`` draws other sessions (sizes, pauses, text, session ids). Each run lists
+where every session's first turn went and why (``turn1_placement``: which sessions share an engine), and
+every request (``records``).
 """
 
 from __future__ import annotations
@@ -189,6 +192,7 @@ class Run:
     oracle: bool
     engine_ids: tuple[str, ...]
     time_scale: float
+    shift: int = 0  # the oracle's: session i goes to engine (i + shift) mod K (``oracle@shift=1``)
 
 
 async def _session(client: httpx.AsyncClient, run: Run, s: AgentSession, t0: float) -> list[AgentRecord]:
@@ -224,7 +228,7 @@ def _target(run: Run, session: int, turn: int, previous: str | None) -> str:
         return run.targets[turn % len(run.targets)]  # replicas take turns (one replica: always it)
     if previous is not None:
         return run.targets[run.engine_ids.index(previous)]
-    return run.targets[session % len(run.targets)]
+    return run.targets[(session + run.shift) % len(run.targets)]
 
 
 async def _probe(client: httpx.AsyncClient, url: str, shape: str) -> str | None:
@@ -278,7 +282,8 @@ async def run_variant(
         spec = replace(sc.spec, pause_s=sc.spec.pause_s * time_scale, seed=SEED[0])
         head, sessions = build(spec)
         urls = tuple(g.url for g in gateways) or tuple(e.url for e in engines)
-        run = Run(sc, spec, head, urls, not gateways, tuple(e.id for e in engines), time_scale)
+        shift = int(routing.get("shift", 0)) if policy == report.ORACLE else 0
+        run = Run(sc, spec, head, urls, not gateways, tuple(e.id for e in engines), time_scale, shift)
         t0 = time.monotonic()
         batches = await asyncio.gather(*(_session(client, run, s, t0) for s in sessions))
         wall = time.monotonic() - t0
