@@ -250,10 +250,11 @@ class Relay:
         for f in filters:  # not ``any()``: a generator per response
             rewrites = rewrites or f.rewrites
         clock = asyncio.get_running_loop().time
+        opening = ctx.shape.opening if sse else None
         # The engine's reads, each proof it is alive whatever a filter holds back (an event not ended yet).
         # The per-read bookkeeping is inline: a generator layer per read cost more than a filter.
         async for chunk in response.aiter_raw():
-            if ctx.first_byte_at is None:
+            if ctx.first_byte_at is None and (opening is None or not opening(chunk)):
                 ctx.first_byte_at = time.monotonic()
                 ctx.lease.first_byte()  # its prefill is no longer queued on the engine
             if splitter is None:

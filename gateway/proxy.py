@@ -39,7 +39,7 @@ from typing import Protocol
 
 from starlette.types import Receive, Send
 
-from backends.registry import Registry
+from backends.registry import Lease, Registry
 from config.settings import TimeoutConfig
 from gateway.blame import OutcomeFeed, settle
 from gateway.context import Attempt, Draft, Release, RequestContext
@@ -113,6 +113,7 @@ class AdmitAll:
 
 class Proxy:
     __slots__ = (
+        "_holds",
         "feed",
         "metrics",
         "phases",
@@ -138,6 +139,9 @@ class Proxy:
     ) -> None:
         self.registry = registry
         self.store = store
+        # A commit that is a round trip holds the decision's count meanwhile (``_hold``); a store that says it
+        # commits in place (the memory store) costs nothing. A store that does not say holds.
+        self._holds: bool = getattr(store, "commit_is_round_trip", True)
         self.feed = feed
         self.metrics = metrics
         self.timeouts = timeouts
@@ -254,7 +258,14 @@ class Proxy:
             decision = self._route(ctx, key, view, exclude)
             if decision.backend is None:
                 return None, exclude
-            backend = await self._commit(ctx, key, decision)
+            held = None
+            if self._holds and decision.pin is not _NO_PIN:
+                held = self._hold(ctx, decision.backend)
+            try:
+                backend = await self._commit(ctx, key, decision)
+            finally:
+                if held is not None:
+                    held.release()  # no await before the seat's lease: the count passes straight to it
             if self.feed.admit(backend):
                 return backend, exclude
             exclude = exclude | {backend}  # its breaker is half-open and its one trial is taken
@@ -283,6 +294,15 @@ class Proxy:
             ctx.route.uncached_tokens = decision.uncached_tokens
             return inputs.settle(ctx, ctx.pinned, decision)
         return decision
+
+    def _hold(self, ctx: RequestContext, backend: str) -> Lease:
+        """Count the decision on ``backend`` while its pin commits (a round trip with Redis): requests routed
+        meanwhile, here or (the commit publishes this replica's counts) on other replicas, see it placed.
+        Released after the commit in every case (an error, a client gone); the seat's lease follows it."""
+        held = self.registry.lease(backend)
+        if ctx.route is not None and ctx.route.teaches:
+            held.prefill(ctx.route.uncached_tokens)  # the ttft policy's queued prefill, as the lease's
+        return held
 
     async def _commit(self, ctx: RequestContext, key: str, decision: Decision) -> str:
         assert decision.backend is not None

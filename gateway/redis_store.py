@@ -66,6 +66,10 @@ def redis_pool(cfg: RedisConfig, connection_class: type[Connection] = Connection
 
 
 class RedisAffinityStore:
+    #: The commit is a script call: the proxy counts the decision meanwhile, so this replica's counts as the
+    #: commit publishes them include it (other replicas see it placed with no round trip of its own).
+    commit_is_round_trip = True
+
     def __init__(
         self,
         cfg: RedisConfig,

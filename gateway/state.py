@@ -64,6 +64,9 @@ class AdminChannel:
 class AffinityStore(Protocol):
     #: Announces every pin a commit claims or moves.
     changes: Changes
+    #: Whether ``commit`` is a round trip (other requests are routed while it is awaited): the proxy then
+    #: counts the decision on its backend until the commit returns. A store without it is taken as True.
+    commit_is_round_trip: bool
 
     async def start(self) -> None:
         """Connect and start background work (called by the app's lifespan). Must not raise on outages."""
@@ -126,6 +129,8 @@ class AffinityStore(Protocol):
 
 
 class MemoryAffinityStore:
+    commit_is_round_trip = False  # its commit never suspends: nothing is routed in between
+
     def __init__(
         self,
         cfg: RoutingConfig,

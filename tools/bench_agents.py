@@ -19,17 +19,21 @@ Sessions pause between turns (the agent running a tool: ``AgentSpec.pause_s``, t
   4 engines: turn-1 load max/mean.
 
 Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), ``oracle`` (session i straight
-to engine i mod K, chains to the engine that holds their previous response) and ``translated`` (``affinity``,
-or the policy it names as in ``translated@policy=ttft``, against engines with the native shape turned off: the
-gateway must translate; compared with its native twin; the variant says so and is skipped when the gateway
-cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as ``--tree NAME=PATH``; ``--seed``
-draws other sessions (sizes, pauses, text, session ids). Each run lists where every session's first turn
-went and why (``turn1_placement``: which sessions share an engine).
+to engine i mod K, chains to the engine that holds their previous response; ``oracle@shift=1``: to engine
+(i + 1) mod K, the same grouping with the engines' labels turned, for a gateway that placed it so: engines
+differ in their replies' lengths, seeded per engine, so a grouping's TTFT depends on its labels too) and
+``translated`` (``affinity``, or the policy it names as in ``translated@policy=ttft``, against engines with
+the native shape turned off: the gateway must translate; compared with its native twin; the variant says so
+and is skipped when the gateway cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as
+``--tree NAME=PATH``; ``--seed`` draws other sessions (sizes, pauses, text, session ids). Each run lists
+where every session's first turn went and why (``turn1_placement``: which sessions share an engine), and
+every request (``records``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -64,6 +68,9 @@ SEED: list[int] = [0]
 TREES: dict[str, Path] = {}
 STAGGER_S = 0.05  # sessions start this far apart (unscaled)
 TRANSLATED = report.TRANSLATED
+#: Each run's gateways share Redis under a key prefix of their own: the variants of a scenario share one
+#: Redis, and a run's pins (same sessions, same keys) would otherwise decide the next run's first turns.
+_RUN_IDS = itertools.count()
 TRANSLATED_TTFT = f"{TRANSLATED}@policy=ttft"
 BILLING_PREFIX = "x-anthropic-billing-header"
 SHAPE_FLAG = {"messages": "--no-messages-api", "codex": "--no-responses-api", "chain": "--no-responses-api"}
@@ -141,23 +148,29 @@ def _all_ready(response: httpx.Response) -> bool:
     return bool(backends) and all(b.get("state") == "ready" for b in backends.values())
 
 
+def redis_section(url: str | None) -> dict[str, Any]:
+    """The gateway config's ``redis``: a fresh key prefix per run (every replica of one run shares it)."""
+    return {"url": url, "prefix": f"warmroute-bench-{next(_RUN_IDS)}:"}
+
+
 def start_gateway(
     launch: Launcher,
     engines: Sequence[Engine],
     routing: dict[str, Any],
     name: str,
-    redis_url: str | None,
+    redis: dict[str, Any],
     backend: Sequence[tuple[str, Any]] = (),
     source: Path | None = None,
 ) -> Child:
-    """``source``: the checkout whose gateway runs (None: this one)."""
+    """``redis``: the config's section (``redis_section``); ``source``: the checkout whose gateway runs
+    (None: this one)."""
     port = free_port()
     config = {
         "server": {"host": LOCALHOST, "port": port, "log_level": "warning"},
         "backends": [{"id": e.id, "url": e.url, "models": [MODEL], **dict(backend)} for e in engines],
         "routing": routing,
         "health": {"interval_s": 1, "timeout_s": 2, "fail_threshold": 2},
-        "redis": {"url": redis_url},
+        "redis": redis,
     }
     path = launch.workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))
@@ -179,6 +192,7 @@ class Run:
     oracle: bool
     engine_ids: tuple[str, ...]
     time_scale: float
+    shift: int = 0  # the oracle's: session i goes to engine (i + shift) mod K (``oracle@shift=1``)
 
 
 async def _session(client: httpx.AsyncClient, run: Run, s: AgentSession, t0: float) -> list[AgentRecord]:
@@ -214,7 +228,7 @@ def _target(run: Run, session: int, turn: int, previous: str | None) -> str:
         return run.targets[turn % len(run.targets)]  # replicas take turns (one replica: always it)
     if previous is not None:
         return run.targets[run.engine_ids.index(previous)]
-    return run.targets[session % len(run.targets)]
+    return run.targets[(session + run.shift) % len(run.targets)]
 
 
 async def _probe(client: httpx.AsyncClient, url: str, shape: str) -> str | None:
@@ -258,10 +272,9 @@ async def run_variant(
     gateways = []
     try:
         if policy != report.ORACLE:
+            redis = redis_section(redis_url)  # one prefix for this run's replicas
             gateways = [
-                start_gateway(
-                    launch, engines, routing, f"gw-{label}-{i}", redis_url, backend, TREES.get(tree)
-                )
+                start_gateway(launch, engines, routing, f"gw-{label}-{i}", redis, backend, TREES.get(tree))
                 for i in range(sc.replicas)
             ]
             if name == TRANSLATED and (why := await _probe(client, gateways[0].url, sc.shape)) is not None:
@@ -269,7 +282,8 @@ async def run_variant(
         spec = replace(sc.spec, pause_s=sc.spec.pause_s * time_scale, seed=SEED[0])
         head, sessions = build(spec)
         urls = tuple(g.url for g in gateways) or tuple(e.url for e in engines)
-        run = Run(sc, spec, head, urls, not gateways, tuple(e.id for e in engines), time_scale)
+        shift = int(routing.get("shift", 0)) if policy == report.ORACLE else 0
+        run = Run(sc, spec, head, urls, not gateways, tuple(e.id for e in engines), time_scale, shift)
         t0 = time.monotonic()
         batches = await asyncio.gather(*(_session(client, run, s, t0) for s in sessions))
         wall = time.monotonic() - t0

@@ -81,6 +81,25 @@ def summarize(records: Sequence[AgentRecord], engines: Sequence[str], wall_s: fl
             ]
             for r in sorted(first, key=lambda r: r.session)
         ],
+        # Every request, to compare one session's turns across variants (not a number: medians skip it).
+        "records": [_record(r, engines) for r in sorted(records, key=lambda r: (r.session, r.turn))],
+    }
+
+
+def _record(r: AgentRecord, engines: Sequence[str]) -> dict[str, Any]:
+    res = r.out.result
+    return {
+        "session": r.session,
+        "turn": r.turn,
+        "started_s": round(r.started_s, 4),
+        "engine": engines.index(res.backend) if res.backend in engines else None,
+        "route": res.route,
+        "status": r.out.status,
+        "ttft_ms": None if res.ttft_s is None else round(1000 * res.ttft_s, 2),
+        "e2e_ms": None if res.e2e_s is None else round(1000 * res.e2e_s, 2),
+        "prompt_tokens": res.prompt_tokens,
+        "cached_tokens": res.cached_tokens,
+        "completion_tokens": res.completion_tokens,
     }
 
 

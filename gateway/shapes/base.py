@@ -49,6 +49,8 @@ ThinkingSpell = Callable[[dict[str, Any], Thinking], tuple[str, Any] | None]
 Turns = Callable[[dict[str, Any]], Shape]
 #: A validated body's image parts (``gateway.images.ImagePart`` values), for gateway/vision.py.
 Images = Callable[[dict[str, Any]], tuple[Any, ...]]
+#: True when a read of an answer holds only events an engine sends before its prefill, so not its first byte.
+Opening = Callable[[bytes], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,3 +149,7 @@ class ApiShape:
     #: How the event that ends its streams opens (any of them): a client that has it has the whole answer,
     #: and may hang up before the engine's body ends (gateway/proxy.py counts that answered).
     terminal: tuple[bytes, ...] = (b"data: [DONE]",)
+    #: Events its engines stream before the prefill (Responses' ``response.created``): reads holding only
+    #: those do not stamp the first byte, which ends the request's queued prefill and times it for the
+    #: ttft learner. None: the first read is the first byte.
+    opening: Opening | None = None

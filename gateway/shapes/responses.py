@@ -34,6 +34,12 @@ EFFORTS = tuple(e.value for e in Effort)
 _OPTIONAL_STRINGS = ("instructions", "prompt_cache_key")
 _OPTIONAL_BOOLS = ("store",)
 _USAGE = b'"usage"'
+#: What vLLM (and the simulator) stream as soon as a request arrives, before its prefill: the events name
+#: themselves on their ``event:`` line, or in the ``type`` of their data.
+_OPENING = (b"response.created", b"response.in_progress")
+_EVENT_TYPE = re.compile(
+    rb'"type": ?"(response\.[a-z_.]+)"'
+)  # an event's own (its objects' are not response.*)
 
 
 def validate(body: dict[str, Any]) -> str:
@@ -230,6 +236,30 @@ def stream_end(err: GatewayError) -> bytes:
 #: OpenAI's error object for whole responses; Responses' ``error`` event at the end of a broken stream.
 RESPONSES_ERRORS = ErrorShape(openai_body, stream_end)
 
+
+def opening(chunk: bytes) -> bool:
+    """Whether a streamed read holds only opening events (``response.created``/``response.in_progress``):
+    False as soon as one of its events names another kind, by its ``event:`` line or (an event without
+    one) its data's ``type``, or names none. The rest of an event a read cut, which began in an opening
+    read (once the first byte is stamped this is not asked again), counts as opening unless it names
+    another kind, and so does a cut name that may still become an opening one."""
+    for piece in chunk.split(b"\n\n"):
+        head = piece.lstrip()
+        if head.startswith(b"event:"):
+            name = head[6:].split(b"\n", 1)[0].strip()
+            if not any(o.startswith(name) for o in _OPENING):
+                return False
+        elif head.startswith(b"data:"):  # an event without its name line: by its own type
+            types = [found.group(1) for found in _EVENT_TYPE.finditer(piece)]
+            if not types or any(t not in _OPENING for t in types):
+                return False  # a chat engine's chunk (a translated answer) included
+        else:
+            for found in _EVENT_TYPE.finditer(piece):
+                if found.group(1) not in _OPENING:
+                    return False
+    return True
+
+
 RESPONSES = ApiShape(
     name="responses",
     path=PATH,
@@ -249,4 +279,5 @@ RESPONSES = ApiShape(
     embeds=False,
     embeds_via_chat=True,
     terminal=(b"event: response.completed", b"event: response.incomplete"),
+    opening=opening,
 )

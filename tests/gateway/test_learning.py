@@ -257,6 +257,8 @@ async def test_new_sessions_go_in_turn_where_none_went_for_longest_and_follow_up
 class _SlowCommit(MemoryAffinityStore):
     """A store whose pin commit is a round trip (as Redis's): other requests run in between."""
 
+    commit_is_round_trip = True
+
     async def commit(self, key: str, decision: Decision) -> str:
         for _ in range(5):
             await asyncio.sleep(0)

@@ -221,3 +221,20 @@ def test_the_seed_and_a_tree_reach_the_agent_runs(monkeypatch: pytest.MonkeyPatc
     run = bench_agents.run_variant(None, None, {"native": []}, sc, "ttft%main", "1", 1.0, None)  # type: ignore[arg-type]
     with pytest.raises(SystemExit, match="give --tree main=PATH"):
         asyncio.run(run)
+
+
+def test_each_run_keeps_its_shared_state_under_a_prefix_of_its_own() -> None:
+    """The variants of a scenario share one Redis: a run's pins (same sessions, same keys) must not place
+    the next run's first turns, so every run's replicas get one fresh key prefix."""
+    first, second = bench_agents.redis_section("redis://x"), bench_agents.redis_section("redis://x")
+    assert first["url"] == second["url"] == "redis://x"
+    assert first["prefix"] != second["prefix"]
+    assert bench_agents.redis_section(None)["url"] is None
+
+
+def test_the_shifted_oracle_turns_the_engines_labels() -> None:
+    """``oracle@shift=1``: session i to engine (i + 1) mod K, first turns only (a chain follows its owner)."""
+    plain, shifted = _run(True, "codex"), replace(_run(True, "codex"), shift=1)
+    assert [bench_agents._target(plain, s, 0, None) for s in range(4)] == ["http://e1", "http://e2"] * 2
+    assert [bench_agents._target(shifted, s, 0, None) for s in range(4)] == ["http://e2", "http://e1"] * 2
+    assert bench_agents._target(shifted, 0, 1, "e1") == "http://e1"
