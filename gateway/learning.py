@@ -58,6 +58,9 @@ _REFRESH_S = 0.25
 #: many typical pauses (the mean one learned; never past the active window): one idle for longer has most
 #: likely finished.
 COMPETING_PAUSES = 4.0
+# Compared once per finished request: a module constant, not an Enum class attribute (on Python 3.11 each
+# such load goes through ``EnumType``'s slow getattr hook).
+_OK = RequestOutcome.OK
 
 
 class RoutingFeedback:
@@ -197,7 +200,9 @@ class RoutingFeedback:
     def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
         """The pin ``decision`` may write (``routing.settle``): a first turn never claims its twin's head."""
         info = ctx.route
-        return decision if info is None else settle_pin(decision, first_turn=info.twin_head, pinned=pinned)
+        if info is None or pinned is None or not info.first_turn:  # nothing to settle: every later turn
+            return decision
+        return settle_pin(decision, first_turn=info.twin_head, pinned=pinned)
 
     # -- after sending --------------------------------------------------------------------------------
 
@@ -226,7 +231,7 @@ class RoutingFeedback:
 
     def observe(self, obs: Observation) -> None:
         info = obs.route
-        if info is None or not info.teaches or obs.outcome is not RequestOutcome.OK:
+        if info is None or not info.teaches or obs.outcome is not _OK:
             return
         now = self.clock()
         added = None
