@@ -213,18 +213,21 @@ class RoutingFeedback:
             return
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
-        backend = lease.backend.id
+        backend, key = lease.backend.id, ctx.affinity_key
         if self.kv is not None and backend in self.kv.engines:
             info.kv_mark = self.kv.mark(backend)
-            estimate = self.kv.held(ctx.affinity_key, backend)
+            estimate = self.kv.held(key, backend)
             if estimate is None:
                 estimate = self.kv.held(info.head_key, backend)
             info.kv_estimate = -1 if estimate is None else estimate
-        if not info.first_turn:
-            entry = self.active.entry(ctx.affinity_key)
+        # In flight now: counted by the lease until it finishes, no longer among the active ones.
+        if info.first_turn:
+            self.active.discard(key)
+        else:
+            entry = self.active.entry(key)
             if entry is not None:  # its last turn ended at most this long ago (its generation's latest use)
                 self.pause_s.add(max(0.0, self.clock() - (entry[1] - self.active.ttl_s)))
-        self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
+                self.active.discard(key)  # (absent: nothing to discard, and a second lookup saved)
         self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------

@@ -37,7 +37,9 @@ class HeadHolders:
 
     def add(self, key: str, backend: str, first_turn: bool = False) -> None:
         """``backend`` prefilled the head ``key`` (on a first turn: it is also the latest such one)."""
-        index = self._bit(backend)
+        index = self._index.get(backend)  # ``_bit`` inline for a known backend: once per request
+        if index is None:
+            index = self._bit(backend)
         masks = self._masks
         value = masks.pop(key, 0)  # re-inserted last: the most recent
         latest = index + 1 if first_turn and index < _LATEST else value & _LATEST

@@ -69,14 +69,14 @@ class TtftPolicy:
                 best, Reason.RETRY_NEXT, PinAction.MOVE if failed else PinAction.NONE, ready, request
             )
         home_id = request.pinned if request.pinned is not None else request.hint
-        home = find(candidates, home_id)
-        if home is not None and home.routable:
+        home = find(ready, home_id)  # nothing is excluded here: a home among the ready ones is routable
+        if home is not None:
             return self._from_home(home, ready, request)
         if home_id is None:
             best = self._new_home(ready, request)
             return self._decide(best, _NEW, _CLAIM, ready, request)
         best = self._cheapest(ready, request)
-        reason = Reason.REPIN_REMOVED if home is None else Reason.REPIN_UNHEALTHY
+        reason = Reason.REPIN_REMOVED if find(candidates, home_id) is None else Reason.REPIN_UNHEALTHY
         return self._decide(best, reason, _placed(request), ready, request)
 
     def costs(self, candidates: Candidates, request: RouteRequest) -> tuple[Cost, ...]:
