@@ -176,11 +176,17 @@ class RoutingFeedback:
         now = self.clock()
         active = self.active
         active.expire(now)
-        window = min(active.ttl_s, max(active.width_s, COMPETING_PAUSES * self.pause_s.value))
-        recent = active.recent_counts(now - window)
+        counts = active.counts()
+        window = COMPETING_PAUSES * self.pause_s.value
+        if window >= active.ttl_s:
+            # Every pin left after ``expire`` was used within the window: all of them compete (no walk
+            # of the generations; while no pause is learned, the prior makes the window the whole table).
+            recent = counts
+        else:
+            recent = active.recent_counts(now - max(active.width_s, window))
         for b in self.registry.backends.values():
             b.competing = recent.get(b.id, 0)
-        return active.counts()
+        return counts
 
     def explain(
         self, ctx: RequestContext, pinned: str | None, in_flight: Mapping[str, int] | None, policy: Policy
