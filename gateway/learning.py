@@ -58,6 +58,9 @@ _REFRESH_S = 0.25
 #: many typical pauses (the mean one learned; never past the active window): one idle for longer has most
 #: likely finished.
 COMPETING_PAUSES = 4.0
+# Compared once per finished request: a module constant, not an Enum class attribute (on Python 3.11 each
+# such load goes through ``EnumType``'s slow getattr hook).
+_OK = RequestOutcome.OK
 
 
 class RoutingFeedback:
@@ -173,11 +176,17 @@ class RoutingFeedback:
         now = self.clock()
         active = self.active
         active.expire(now)
-        window = min(active.ttl_s, max(active.width_s, COMPETING_PAUSES * self.pause_s.value))
-        recent = active.recent_counts(now - window)
+        counts = active.counts()
+        window = COMPETING_PAUSES * self.pause_s.value
+        if window >= active.ttl_s:
+            # Every pin left after ``expire`` was used within the window: all of them compete (no walk
+            # of the generations; while no pause is learned, the prior makes the window the whole table).
+            recent = counts
+        else:
+            recent = active.recent_counts(now - max(active.width_s, window))
         for b in self.registry.backends.values():
             b.competing = recent.get(b.id, 0)
-        return active.counts()
+        return counts
 
     def explain(
         self, ctx: RequestContext, pinned: str | None, in_flight: Mapping[str, int] | None, policy: Policy
@@ -197,7 +206,9 @@ class RoutingFeedback:
     def settle(self, ctx: RequestContext, pinned: str | None, decision: Decision) -> Decision:
         """The pin ``decision`` may write (``routing.settle``): a first turn never claims its twin's head."""
         info = ctx.route
-        return decision if info is None else settle_pin(decision, first_turn=info.twin_head, pinned=pinned)
+        if info is None or pinned is None or not info.first_turn:  # nothing to settle: every later turn
+            return decision
+        return settle_pin(decision, first_turn=info.twin_head, pinned=pinned)
 
     # -- after sending --------------------------------------------------------------------------------
 
@@ -208,25 +219,28 @@ class RoutingFeedback:
             return
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
-        backend = lease.backend.id
+        backend, key = lease.backend.id, ctx.affinity_key
         if self.kv is not None and backend in self.kv.engines:
             info.kv_mark = self.kv.mark(backend)
-            estimate = self.kv.held(ctx.affinity_key, backend)
+            estimate = self.kv.held(key, backend)
             if estimate is None:
                 estimate = self.kv.held(info.head_key, backend)
             info.kv_estimate = -1 if estimate is None else estimate
-        if not info.first_turn:
-            entry = self.active.entry(ctx.affinity_key)
+        # In flight now: counted by the lease until it finishes, no longer among the active ones.
+        if info.first_turn:
+            self.active.discard(key)
+        else:
+            entry = self.active.entry(key)
             if entry is not None:  # its last turn ended at most this long ago (its generation's latest use)
                 self.pause_s.add(max(0.0, self.clock() - (entry[1] - self.active.ttl_s)))
-        self.active.discard(ctx.affinity_key)  # in flight now: counted by the lease until it finishes
+                self.active.discard(key)  # (absent: nothing to discard, and a second lookup saved)
         self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------
 
     def observe(self, obs: Observation) -> None:
         info = obs.route
-        if info is None or not info.teaches or obs.outcome is not RequestOutcome.OK:
+        if info is None or not info.teaches or obs.outcome is not _OK:
             return
         now = self.clock()
         added = None

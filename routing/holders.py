@@ -15,10 +15,11 @@ from __future__ import annotations
 
 _LATEST_BITS = 10
 _LATEST = (1 << _LATEST_BITS) - 1  # backends past index 1022 are held, never named latest
+_MAX_SETS = 4096  # distinct holder sets kept for ``get`` (past it, built per call)
 
 
 class HeadHolders:
-    __slots__ = ("_index", "_masks", "_names", "max_entries")
+    __slots__ = ("_index", "_masks", "_names", "_sets", "max_entries")
 
     def __init__(self, max_entries: int = 100_000) -> None:
         if max_entries < 1:
@@ -27,13 +28,18 @@ class HeadHolders:
         self._masks: dict[str, int] = {}
         self._names: list[str] = []
         self._index: dict[str, int] = {}
+        #: mask -> its backends' names: ``get`` runs on every ttft decision, and a head has few distinct
+        #: sets of holders (names are only ever appended, so a mask's set never changes).
+        self._sets: dict[int, frozenset[str]] = {}
 
     def __len__(self) -> int:
         return len(self._masks)
 
     def add(self, key: str, backend: str, first_turn: bool = False) -> None:
         """``backend`` prefilled the head ``key`` (on a first turn: it is also the latest such one)."""
-        index = self._bit(backend)
+        index = self._index.get(backend)  # ``_bit`` inline for a known backend: once per request
+        if index is None:
+            index = self._bit(backend)
         masks = self._masks
         value = masks.pop(key, 0)  # re-inserted last: the most recent
         latest = index + 1 if first_turn and index < _LATEST else value & _LATEST
@@ -57,7 +63,12 @@ class HeadHolders:
         mask = self._masks.get(key, 0) >> _LATEST_BITS
         if not mask:
             return frozenset()
-        return frozenset(name for i, name in enumerate(self._names) if mask >> i & 1)
+        held = self._sets.get(mask)
+        if held is None:
+            held = frozenset(name for i, name in enumerate(self._names) if mask >> i & 1)
+            if len(self._sets) < _MAX_SETS:
+                self._sets[mask] = held
+        return held
 
     def latest(self, key: str) -> str | None:
         """The backend that served the latest first turn of head ``key`` (and still holds it), or None."""

@@ -38,7 +38,8 @@ class DecayedSums:
 
     def add(self, tokens: float, seconds: float, now: float, half_life_s: float) -> None:
         if self.tokens or self.seconds:
-            keep = math.exp2(-max(0.0, now - self.at) / half_life_s)
+            elapsed = now - self.at  # (``max(0.0, ...)`` as a comparison: a builtin's call per sample)
+            keep = math.exp2(-elapsed / half_life_s) if elapsed > 0 else 1.0
             self.tokens *= keep
             self.seconds *= keep
         self.tokens += tokens
@@ -86,12 +87,16 @@ class SpeedEstimator:
             elif now - self._clean_at.get(backend, -math.inf) < self.half_life_s:
                 return
             _sums(self._prefill, backend).add(tokens, seconds, now, self.half_life_s)
-            self._maybe_recompute(now)
+            self._dirty = True  # ``_maybe_recompute`` inline: twice per request
+            if not self.refresh_s:
+                self.refresh(now)
 
     def decode(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
             _sums(self._decode, backend).add(tokens, seconds, now, self.half_life_s)
-            self._maybe_recompute(now)
+            self._dirty = True
+            if not self.refresh_s:
+                self.refresh(now)
 
     def refresh(self, now: float) -> bool:
         """Recompute the rates if samples came since the last time and ``refresh_s`` has passed."""
@@ -100,11 +105,6 @@ class SpeedEstimator:
             self._recompute()
             return True
         return False
-
-    def _maybe_recompute(self, now: float) -> None:
-        self._dirty = True
-        if not self.refresh_s:
-            self.refresh(now)
 
     def _recompute(self) -> None:
         self._dirty = False
