@@ -20,8 +20,8 @@ Sessions pause between turns (the agent running a tool: ``AgentSpec.pause_s``, t
 
 Variants: gateway policies (``affinity``, ``ttft``, ``policy@key=value;...``), ``oracle`` (session i straight
 to engine i mod K, chains to the engine that holds their previous response; ``oracle@shift=1``: to engine
-(i + 1) mod K, the same grouping with the engines' labels turned, for a gateway that placed it so: engines
-differ in their replies' lengths, seeded per engine, so a grouping's TTFT depends on its labels too) and
+(i + 1) mod K, the same grouping with the engines' labels turned: with every engine seeded alike, as
+replicas of one model answer alike, it should match ``oracle``) and
 ``translated`` (``affinity``, or the policy it names as in ``translated@policy=ttft``, against engines with
 the native shape turned off: the gateway must translate; compared with its native twin; the variant says so
 and is skipped when the gateway cannot serve it). ``policy%NAME`` runs the gateway of the checkout given as
@@ -127,7 +127,10 @@ def start_engines(
     for index in range(1, count + 1):
         name, port = f"{prefix}-{index}", free_port()
         argv = procs.python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", MODEL)
-        argv += [*profile.argv(), "--prefill-serial", "--seed", str(index), "--log-level", "warning", *extra]
+        # One seed for all: the engines are replicas of one model, so a prompt gets the same reply wherever it
+        # goes (seeded per engine, one grouping's TTFT depended on which engine got which half: 1.25x the
+        # oracle's on responses-chain for its own grouping with the labels turned).
+        argv += [*profile.argv(), "--prefill-serial", "--seed", "0", "--log-level", "warning", *extra]
         started.append(launch._spawn(name, port, argv))
     for child in started:
         launch._wait(child, "/health", procs.ok)
