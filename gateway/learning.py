@@ -178,12 +178,10 @@ class RoutingFeedback:
         active.expire(now)
         counts = active.counts()
         window = COMPETING_PAUSES * self.pause_s.value
-        if window >= active.ttl_s:
-            # Every pin left after ``expire`` was used within the window: all of them compete (no walk
-            # of the generations; while no pause is learned, the prior makes the window the whole table).
-            recent = counts
-        else:
-            recent = active.recent_counts(now - max(active.width_s, window))
+        # A window as long as the table's: every pin left after ``expire`` was used within it, so all of them
+        # compete (no walk of the generations; while no pause is learned, the prior makes it the whole table).
+        whole = window >= active.ttl_s
+        recent = counts if whole else active.recent_counts(now - max(active.width_s, window))
         for b in self.registry.backends.values():
             b.competing = recent.get(b.id, 0)
         return counts
