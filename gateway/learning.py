@@ -172,17 +172,25 @@ class RoutingFeedback:
     def conversations(self) -> Mapping[str, int]:
         """Active conversations per backend: what the ttft policy counts where affinity counts pins. Also
         publishes those competing for each backend's KV cache (``Backend.competing``): the active ones whose
-        pause is within ``COMPETING_PAUSES`` typical pauses."""
+        pause is within ``COMPETING_PAUSES`` typical pauses; only once an engine reports its KV cache size
+        (the cost model reads them only for an engine that does)."""
         now = self.clock()
         active = self.active
         active.expire(now)
         counts = active.counts()
+        backends = self.registry.backends.values()
+        for b in backends:
+            s = b.signals
+            if s is not None and s.kv_capacity is not None:
+                break
+        else:  # no engine reports its KV cache size: the cost model reads ``competing`` of none (-1 stays)
+            return counts
         window = COMPETING_PAUSES * self.pause_s.value
         # A window as long as the table's: every pin left after ``expire`` was used within it, so all of them
         # compete (no walk of the generations; while no pause is learned, the prior makes it the whole table).
         whole = window >= active.ttl_s
         recent = counts if whole else active.recent_counts(now - max(active.width_s, window))
-        for b in self.registry.backends.values():
+        for b in backends:
             b.competing = recent.get(b.id, 0)
         return counts
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from test_proxy_phases import backends_ab, make_proxy, run
 
+from backends.signals import EngineSignals
 from gateway.context import RequestContext
 from gateway.identity import Identity
 from gateway.inbound import first_values
@@ -286,6 +287,7 @@ def test_the_conversations_competing_for_a_cache_are_those_whose_pause_is_typica
     now = [100.0]
     feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: now[0])
     a = proxy.registry.backends["a"]
+    a.signals = EngineSignals(at=now[0], kv_capacity=16_000)  # the cost model reads them for such an engine
     assert a.competing == -1  # nothing published yet: the cost model counts the active ones
     feedback.observe(observation(feedback, key="k1"))
     feedback.observe(observation(feedback, key="k2"))
@@ -295,6 +297,22 @@ def test_the_conversations_competing_for_a_cache_are_those_whose_pause_is_typica
     now[0] += 3.0  # idle past 4 typical pauses: most likely finished; still active in the 10 s window
     assert feedback.conversations() == {"a": 2} and a.competing == 0
     assert proxy.registry.backends["b"].competing == 0
+
+
+def test_without_an_engine_reporting_its_kv_cache_size_no_competing_ones_are_published() -> None:
+    proxy = make_proxy(FakeTransport())
+    now = [100.0]
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: now[0])
+    a, b = proxy.registry.backends["a"], proxy.registry.backends["b"]
+    a.signals = EngineSignals(at=now[0], waiting=0.0)  # signals, but no KV cache size
+    feedback.observe(observation(feedback, key="k1"))
+    feedback.observe(observation(feedback, key="k2"))
+    feedback.pause_s.value = 0.5  # a window narrower than the table's: the generations would be walked
+    assert feedback.conversations() == {"a": 2}
+    assert a.competing == -1 and b.competing == -1  # nothing published: the cost model reads none
+    assert proxy.registry.candidates("m", {}, None, now[0])[0].competing == -1
+    b.signals = EngineSignals(at=now[0], kv_capacity=16_000)  # one engine reports it: all are published
+    assert feedback.conversations() == {"a": 2} and a.competing == 2 and b.competing == 0
 
 
 def test_the_typical_pause_is_learned_from_follow_ups_leaving_the_active_table() -> None:
