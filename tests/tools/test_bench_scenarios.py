@@ -80,6 +80,20 @@ class _Launch:
         return None
 
 
+def test_the_oracle_with_a_shift_turns_the_engines_labels() -> None:
+    """``oracle@shift=1``: conversation i to engine (i + 1) mod K, the same grouping under other labels."""
+    four = [Engine(f"engine-{i}", f"http://127.0.0.1:{i}") for i in range(1, 5)]
+    assert bench_scenarios.parse_variant("oracle@shift=1")[2] == {"shift": 1}
+    assert [e.id for e in bench_scenarios.oracle_engines(four, 0)] == [e.id for e in four]
+    turned = bench_scenarios.oracle_engines(four, 1)
+    assert [e.id for e in turned] == ["engine-2", "engine-3", "engine-4", "engine-1"]
+    target = bench_scenarios.Target(tuple(e.url for e in turned), tuple(e.id for e in turned))
+    assert [target.for_conversation(i)[1] for i in range(5)] == [
+        "engine-2", "engine-3", "engine-4", "engine-1", "engine-2"
+    ]  # fmt: skip
+    assert bench_scenarios.oracle_engines(four, 5) == turned
+
+
 def test_variant_extras_are_parsed_and_unknown_ones_refused() -> None:
     assert bench_scenarios._extras("ttft") == set()
     assert bench_scenarios._extras("affinity+admission") == {"admission"}
