@@ -177,7 +177,9 @@ def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[E
         p = replace(profile, prefill_tps=profile.prefill_tps * speed, decode_tps=profile.decode_tps * speed)
         p = replace(p, cache_tokens=cache)
         argv = launch_python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", MODEL)
-        argv += [*p.argv(), "--prefill-serial", "--seed", str(index), "--log-level", "warning"]
+        # One seed for all: the engines are replicas of one model, so a prompt gets the same reply wherever it
+        # goes (seeded per engine, one grouping's TTFT depended on which engine got which conversations).
+        argv += [*p.argv(), "--prefill-serial", "--seed", "0", "--log-level", "warning"]
         endpoint = f"tcp://{LOCALHOST}:{free_port()}" if kv else None
         if endpoint is not None:
             argv += ["--kv-events-endpoint", endpoint]
