@@ -17,6 +17,7 @@ from config.settings import load_settings
 from gateway.metrics import AdmissionMetrics
 from tools import bench, bench_scenarios
 from tools.bench_report import TurnRecord
+from tools.bench_run import Target
 from tools.client import StreamResult
 from tools.launch import Engine, Launcher, SimProfile
 
@@ -89,7 +90,7 @@ def test_the_oracle_with_a_shift_turns_the_engines_labels() -> None:
     assert [e.id for e in bench_scenarios.oracle_engines(four, 0)] == [e.id for e in four]
     turned = bench_scenarios.oracle_engines(four, 1)
     assert [e.id for e in turned] == ["engine-2", "engine-3", "engine-4", "engine-1"]
-    target = bench_scenarios.Target(tuple(e.url for e in turned), tuple(e.id for e in turned))
+    target = Target(tuple(e.url for e in turned), tuple(e.id for e in turned))
     assert [target.for_conversation(i)[1] for i in range(5)] == [
         "engine-2", "engine-3", "engine-4", "engine-1", "engine-2"
     ]  # fmt: skip
