@@ -5,7 +5,8 @@ variant (a policy, optionally given the engines' true speeds as weights (``+weig
 the engines' KV cache events (``+kv``: ``--kv-events`` adds ``ttft+kv`` to every scenario), or with
 admission on (``+admission``: every backend admits as many requests as the simulated engine runs at once,
 ``--max-running``, the rest waiting in the gateway; no client keys, so one class and one client);
-``oracle`` sends conversation i straight to engine i mod K) for a few rounds, order rotating, caches reset
+``oracle`` sends conversation i straight to engine i mod K; ``oracle@shift=1``: to engine (i + 1) mod K, the
+same grouping with the engines' labels turned) for a few rounds, order rotating, caches reset
 between runs. Numbers are medians over rounds; ratios compare variants of the same round set on the same
 machine. ``cold_followups`` counts follow-ups served by another engine than the conversation's previous
 turn (moved); ``missed_followups`` those whose engine had less than ``MISSED_SHARE`` of the previous turn's
@@ -176,7 +177,9 @@ def start_engines(launch: Launcher, sc: Scenario, profile: SimProfile) -> list[E
         p = replace(profile, prefill_tps=profile.prefill_tps * speed, decode_tps=profile.decode_tps * speed)
         p = replace(p, cache_tokens=cache)
         argv = launch_python("-m", "backends.sim", "--port", str(port), "--name", name, "--model", MODEL)
-        argv += [*p.argv(), "--prefill-serial", "--seed", str(index), "--log-level", "warning"]
+        # One seed for all: the engines are replicas of one model, so a prompt gets the same reply wherever it
+        # goes (seeded per engine, one grouping's TTFT depended on which engine got which conversations).
+        argv += [*p.argv(), "--prefill-serial", "--seed", "0", "--log-level", "warning"]
         endpoint = f"tcp://{LOCALHOST}:{free_port()}" if kv else None
         if endpoint is not None:
             argv += ["--kv-events-endpoint", endpoint]
@@ -274,7 +277,8 @@ async def run_variant(
         (await client.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
     gateway = None
     if policy == "oracle":
-        target = Target(tuple(e.url for e in engines), tuple(e.id for e in engines))
+        turned = oracle_engines(engines, int(overrides.get("shift", 0)))
+        target = Target(tuple(e.url for e in turned), tuple(e.id for e in turned))
     else:
         gateway = start_gateway(
             launch,
@@ -315,6 +319,13 @@ async def run_variant(
             launch.stop(gateway)
     summary = summarize(records, engines, sc, event_at, wall, time_scale)
     return {**summary, **queued, "reasons": reasons, **learned}
+
+
+def oracle_engines(engines: Sequence[Engine], shift: int) -> list[Engine]:
+    """The oracle's engines in slot order: conversation i goes to slot i mod K, so ``oracle@shift=S`` sends it
+    to engine (i + S) mod K: the oracle's grouping with the engines' labels turned."""
+    at = shift % len(engines)
+    return [*engines[at:], *engines[:at]]
 
 
 async def _reasons(client: httpx.AsyncClient, gateway: Child) -> dict[str, int]:

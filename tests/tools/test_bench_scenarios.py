@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -15,8 +17,9 @@ from config.settings import load_settings
 from gateway.metrics import AdmissionMetrics
 from tools import bench, bench_scenarios
 from tools.bench_report import TurnRecord
+from tools.bench_run import Target
 from tools.client import StreamResult
-from tools.launch import Engine, Launcher
+from tools.launch import Engine, Launcher, SimProfile
 
 
 @pytest.fixture
@@ -78,6 +81,41 @@ class _Launch:
 
     def _wait(self, *args: object) -> None:
         return None
+
+
+def test_the_oracle_with_a_shift_turns_the_engines_labels() -> None:
+    """``oracle@shift=1``: conversation i to engine (i + 1) mod K, the same grouping under other labels."""
+    four = [Engine(f"engine-{i}", f"http://127.0.0.1:{i}") for i in range(1, 5)]
+    assert bench_scenarios.parse_variant("oracle@shift=1")[2] == {"shift": 1}
+    assert [e.id for e in bench_scenarios.oracle_engines(four, 0)] == [e.id for e in four]
+    turned = bench_scenarios.oracle_engines(four, 1)
+    assert [e.id for e in turned] == ["engine-2", "engine-3", "engine-4", "engine-1"]
+    target = Target(tuple(e.url for e in turned), tuple(e.id for e in turned))
+    assert [target.for_conversation(i)[1] for i in range(5)] == [
+        "engine-2", "engine-3", "engine-4", "engine-1", "engine-2"
+    ]  # fmt: skip
+    assert bench_scenarios.oracle_engines(four, 5) == turned
+
+
+def test_a_scenarios_engines_answer_one_prompt_alike() -> None:
+    """Replicas of one model: a prompt (and the bench's per-conversation ``seed``) gets the same reply on
+    every engine of a scenario, whatever its speed, so an oracle's TTFT does not depend on which engine got
+    which conversations; different prompts still get different replies."""
+    sc = replace(bench_scenarios.SCENARIOS["hetero"], speeds=(1.0, 2.0))
+    with Launcher("warmroute-test-") as launch:
+        engines = bench_scenarios.start_engines(launch, sc, SimProfile(time_scale=0.0))
+        replies = []
+        for n in range(4):
+            body = {"model": bench_scenarios.MODEL, "max_tokens": 32, "seed": n,
+                    "messages": [{"role": "user", "content": f"task {n}: " + "word " * 40}]}  # fmt: skip
+            answers = [
+                httpx.post(f"{e.url}/v1/chat/completions", json=body, timeout=30).json() for e in engines
+            ]
+            texts = {a["choices"][0]["message"]["content"] for a in answers}
+            lengths = {a["usage"]["completion_tokens"] for a in answers}
+            assert len(texts) == 1 and len(lengths) == 1, answers
+            replies.append(texts.pop())
+    assert len(set(replies)) == len(replies)
 
 
 def test_variant_extras_are_parsed_and_unknown_ones_refused() -> None:
