@@ -83,8 +83,9 @@ class Connection(asyncio.Protocol):
         if len(body) <= 16384:
             self.transport.write(data + body)  # one send() for the common small request
         else:
-            self.transport.write(data)
-            self.transport.write(body)
+            # Still one send() (a writev, no copy): in two, the engine woke for the head alone and again for
+            # the body, and the gateway could lose its core between the two.
+            self.transport.writelines((data, body))
         return waiter
 
     def release(self) -> bool:

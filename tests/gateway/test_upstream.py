@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from config.settings import UpstreamConfig
-from gateway.http1 import READ_HIGH_WATER, needs_eof
+from gateway.http1 import READ_HIGH_WATER, Connection, needs_eof
 from gateway.transport import (
     IDEMPOTENT_METHODS,
     UpstreamConnectError,
@@ -253,6 +253,49 @@ async def test_many_concurrent_requests_share_the_connection_limit(pool: Upstrea
     assert bodies == [b"request-%d" % i for i in range(200)]
     assert len(set(app.ports)) <= 32
     assert len(pool._conns) <= 32
+
+
+class _CountedWrites:
+    """A transport that counts the sends asked of it (``write`` / ``writelines`` calls) and does them."""
+
+    def __init__(self, transport: asyncio.Transport, sends: list[int]) -> None:
+        self._transport = transport
+        self._sends = sends
+
+    def write(self, data: bytes) -> None:
+        self._sends.append(len(data))
+        self._transport.write(data)
+
+    def writelines(self, parts: Any) -> None:
+        parts = list(parts)
+        self._sends.append(sum(len(p) for p in parts))
+        self._transport.writelines(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+@pytest.mark.parametrize("size", [100, 16384, 16385, 40_000, 1 << 20])
+async def test_a_request_goes_in_one_send_whatever_its_body_size(
+    pool: UpstreamPool, recorder: Any, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """Head and body in one send: in two, the engine woke for the head alone and again for the body (an
+    agent's follow-up is 20-40 KB), and the gateway could lose its core between the two."""
+    url, _app = recorder
+    sends: list[int] = []
+    made = Connection.connection_made
+
+    def counted(self: Connection, transport: asyncio.BaseTransport) -> None:
+        made(self, transport)
+        assert self.transport is not None
+        self.transport = _CountedWrites(self.transport, sends)  # type: ignore[assignment]
+
+    monkeypatch.setattr(Connection, "connection_made", counted)
+    payload = os.urandom(size)
+    for _ in range(2):  # a new connection, then the pooled one
+        assert await read_all(await pool.request("POST", url, "/echo", JSON, payload)) == payload
+    assert len(sends) == 2
+    assert all(sent > size for sent in sends)  # each the whole request: head and body
 
 
 async def test_one_mib_request_and_response(pool: UpstreamPool, recorder: Any) -> None:
