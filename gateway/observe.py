@@ -24,6 +24,7 @@ from routing.types import Reason
 # The usage object sits in the last few hundred bytes of a body or stream (vLLM, SGLang and llama.cpp put it
 # in the final chunk); 4 KiB is room for it plus a trailing `[DONE]` and a long finish chunk.
 _TAIL_BYTES = 4096
+_TAIL = slice(-_TAIL_BYTES, None)  # the tail of a longer buffer: one slice, not one per read
 _USAGE = b'"usage"'
 _DECODER = json.JSONDecoder()
 _T = TypeVar("_T")
@@ -140,7 +141,7 @@ class ResponseTap:
         self.body_bytes += len(chunk)
         self.events += chunk.count(b"data: ")
         tail = self._tail + chunk
-        self._tail = tail[-_TAIL_BYTES:] if len(tail) > _TAIL_BYTES else tail
+        self._tail = tail[_TAIL] if len(tail) > _TAIL_BYTES else tail
         if self._seeking:
             self._seek(chunk)
 
@@ -162,7 +163,7 @@ class ResponseTap:
         if len(tail) > _TAIL_BYTES:
             if len(chunk) >= _TAIL_BYTES:
                 self._long = chunk
-            tail = tail[-_TAIL_BYTES:]
+            tail = tail[_TAIL]
         self._tail = tail
         if self._seeking:
             if self._plain is None:
