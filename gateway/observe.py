@@ -25,6 +25,8 @@ from routing.types import Reason
 # in the final chunk); 4 KiB is room for it plus a trailing `[DONE]` and a long finish chunk.
 _TAIL_BYTES = 4096
 _TAIL = slice(-_TAIL_BYTES, None)  # the tail of a longer buffer: one slice, not one per read
+# A read this long may hold an event whose start, with the blank line before it, is not in the tail.
+_LONG_READ = _TAIL_BYTES - 8
 _USAGE = b'"usage"'
 _DECODER = json.JSONDecoder()
 _T = TypeVar("_T")
@@ -127,7 +129,7 @@ class ResponseTap:
     def __init__(self, reply: bool = False, text: ReplyText | None = None) -> None:
         self._text = text  # the shape's reply location (None: chat's ``content``/tool-call ``arguments``)
         self._tail = b""
-        self._long: bytes | None = None  # the last read of events longer than the tail (see ``take``)
+        self._long: bytes | None = None  # the last read of events about the tail's size or more (``take``)
         self.events = 0
         self.body_bytes = 0
         self._seeking = reply
@@ -150,9 +152,9 @@ class ResponseTap:
         ``Whole`` read's events are cut only while the reply is sought.
 
         Each read here is whole events (the splitter holds an unended one back until it ends), so the last
-        event relayed lies whole in the last read that held one: a read longer than the tail is kept as well
-        (``_long``, a reference: no copy), for ``ended`` to find where an event longer than the tail began
-        (``response.completed`` repeats the whole output). Only reads past the tail's size test for it."""
+        event relayed lies whole in the last read that held one: a read about the tail's size or longer is
+        kept as well (``_long``, a reference: no copy), for ``ended`` to find where an event longer than the
+        tail began (``response.completed`` repeats the whole output). Only reads past the tail test for it."""
         if type(pieces) is Whole:
             chunk = pieces.raw
         else:
@@ -161,7 +163,7 @@ class ResponseTap:
         self.events += chunk.count(b"data: ")
         tail = self._tail + chunk
         if len(tail) > _TAIL_BYTES:
-            if len(chunk) >= _TAIL_BYTES:
+            if len(chunk) >= _LONG_READ:
                 self._long = chunk
             tail = tail[_TAIL]
         self._tail = tail
@@ -294,15 +296,15 @@ def _last_event(data: bytes) -> int:
 
 
 def _ends_with(read: bytes, tail: bytes, terminal: tuple[bytes, ...]) -> bool:
-    """Whether ``read`` (whole events, longer than the tail) ended the stream with a ``terminal`` event: it
-    ends an event (not a part of one over the splitter's bound, passed on unended), nothing but blank lines
-    came after it (the stripped ``tail`` is its end), and its last event opens with ``terminal``."""
+    """Whether ``read`` (whole events, about the tail's size or more) ended the stream with a ``terminal``
+    event: it ends an event (not a part of one over the splitter's bound, passed on unended), nothing but
+    blank lines came after it (the stripped ``tail`` is its end), and its last event opens with one."""
     end = read[-8:]
     run = end[len(end.rstrip(b"\r\n")) :]  # the line ends it closes with: two or more end an event
     if run.count(b"\n") + run.count(b"\r") - run.count(b"\r\n") < 2:
         return False
     body = read.rstrip()
-    if not body.endswith(tail):
+    if not body.endswith(tail[-len(body) :]):  # the tail may begin before it: the last line end before it
         return False
     cut = _last_event(body)
     return body[max(cut, 0) :].lstrip().startswith(terminal)

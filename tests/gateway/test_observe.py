@@ -202,3 +202,12 @@ def test_a_terminal_event_past_the_splitters_bound_is_not_taken_for_an_ended_one
     long = _completed(20_000)
     assert not _relayed(DELTA + long[:6000], max_event=1024).ended(RESPONSES_END)
     assert not _relayed(DELTA + long[:6000], long[6000:12000], max_event=1024).ended(RESPONSES_END)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_a_last_event_about_the_tails_size_is_found(eol: bytes) -> None:
+    """Around 4 KiB, the blank line before the event falls out of the tail: the event's own read holds it."""
+    for size in range(3950, 4150):
+        event = _completed(size, eol)
+        assert _relayed(DELTA * 3, event).ended(RESPONSES_END), len(event)
+        assert not _relayed(DELTA * 3, event, DELTA).ended(RESPONSES_END), len(event)
