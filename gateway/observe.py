@@ -24,6 +24,9 @@ from routing.types import Reason
 # The usage object sits in the last few hundred bytes of a body or stream (vLLM, SGLang and llama.cpp put it
 # in the final chunk); 4 KiB is room for it plus a trailing `[DONE]` and a long finish chunk.
 _TAIL_BYTES = 4096
+_TAIL = slice(-_TAIL_BYTES, None)  # the tail of a longer buffer: one slice, not one per read
+# A read this long may hold an event whose start, with the blank line before it, is not in the tail.
+_LONG_READ = _TAIL_BYTES - 8
 _USAGE = b'"usage"'
 _DECODER = json.JSONDecoder()
 _T = TypeVar("_T")
@@ -114,6 +117,7 @@ class ResponseTap:
         "_content",
         "_events",
         "_head",
+        "_long",
         "_plain",
         "_seeking",
         "_tail",
@@ -125,6 +129,7 @@ class ResponseTap:
     def __init__(self, reply: bool = False, text: ReplyText | None = None) -> None:
         self._text = text  # the shape's reply location (None: chat's ``content``/tool-call ``arguments``)
         self._tail = b""
+        self._long: bytes | None = None  # the last read of events about the tail's size or more (``take``)
         self.events = 0
         self.body_bytes = 0
         self._seeking = reply
@@ -138,13 +143,18 @@ class ResponseTap:
         self.body_bytes += len(chunk)
         self.events += chunk.count(b"data: ")
         tail = self._tail + chunk
-        self._tail = tail[-_TAIL_BYTES:] if len(tail) > _TAIL_BYTES else tail
+        self._tail = tail[_TAIL] if len(tail) > _TAIL_BYTES else tail
         if self._seeking:
             self._seek(chunk)
 
     def take(self, pieces: Pieces) -> None:
         """What the relay sends, as the relay's own splitter cut it into events (no splitter of its own): a
-        ``Whole`` read's events are cut only while the reply is sought."""
+        ``Whole`` read's events are cut only while the reply is sought.
+
+        Each read here is whole events (the splitter holds an unended one back until it ends), so the last
+        event relayed lies whole in the last read that held one: a read about the tail's size or longer is
+        kept as well (``_long``, a reference: no copy), for ``ended`` to find where an event longer than the
+        tail began (``response.completed`` repeats the whole output). Only reads past the tail test for it."""
         if type(pieces) is Whole:
             chunk = pieces.raw
         else:
@@ -152,7 +162,11 @@ class ResponseTap:
         self.body_bytes += len(chunk)
         self.events += chunk.count(b"data: ")
         tail = self._tail + chunk
-        self._tail = tail[-_TAIL_BYTES:] if len(tail) > _TAIL_BYTES else tail
+        if len(tail) > _TAIL_BYTES:
+            if len(chunk) >= _LONG_READ:
+                self._long = chunk
+            tail = tail[_TAIL]
+        self._tail = tail
         if self._seeking:
             if self._plain is None:
                 self._plain = False
@@ -167,12 +181,15 @@ class ResponseTap:
 
     def ended(self, terminal: tuple[bytes, ...]) -> bool:
         """Whether the last event relayed opens with one of ``terminal`` (its shape's end of a stream): the
-        client has the whole answer. False too where that event began before the tail kept here."""
+        client has the whole answer. An event longer than the tail is found in the long read that held it
+        (a stream's, ``take``); fed bytes (a plain body) have only the tail, and no terminal event."""
         tail = self._tail.rstrip()
-        cut = max(tail.rfind(b"\n\n"), tail.rfind(b"\r\n\r\n"), tail.rfind(b"\r\r"))
-        if cut < 0:
-            return self.body_bytes == len(self._tail) and tail.lstrip().startswith(terminal)
-        return tail[cut:].lstrip().startswith(terminal)
+        cut = _last_event(tail)
+        if cut >= 0:
+            return tail[cut:].lstrip().startswith(terminal)
+        if self.body_bytes == len(self._tail):
+            return tail.lstrip().startswith(terminal)
+        return self._long is not None and _ends_with(self._long, tail, terminal)
 
     def reply(self) -> str | None:
         """The reply's beginning, or None (not asked for, nothing found, or not found in time)."""
@@ -271,6 +288,26 @@ class HeadTap(ResponseTap):
         kept = chunk[: self._room]
         self._first += kept
         self._room -= len(kept)
+
+
+def _last_event(data: bytes) -> int:
+    """Where the last event in ``data`` (right-stripped) begins after a blank line, or -1: none there."""
+    return max(data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n"), data.rfind(b"\r\r"))
+
+
+def _ends_with(read: bytes, tail: bytes, terminal: tuple[bytes, ...]) -> bool:
+    """Whether ``read`` (whole events, about the tail's size or more) ended the stream with a ``terminal``
+    event: it ends an event (not a part of one over the splitter's bound, passed on unended), nothing but
+    blank lines came after it (the stripped ``tail`` is its end), and its last event opens with one."""
+    end = read[-8:]
+    run = end[len(end.rstrip(b"\r\n")) :]  # the line ends it closes with: two or more end an event
+    if run.count(b"\n") + run.count(b"\r") - run.count(b"\r\n") < 2:
+        return False
+    body = read.rstrip()
+    if not body.endswith(tail[-len(body) :]):  # the tail may begin before it: the last line end before it
+        return False
+    cut = _last_event(body)
+    return body[max(cut, 0) :].lstrip().startswith(terminal)
 
 
 def _string_at(rest: bytes) -> str | None:

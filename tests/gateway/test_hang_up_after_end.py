@@ -76,6 +76,53 @@ CASES: dict[str, tuple[str, dict[str, Any], list[bytes]]] = {
     "responses": ("/v1/responses", {"input": "hi"}, RESPONSES_STREAM),
 }
 
+#: Long answers: a terminal event past the tap's 4 KiB tail (Responses repeats the whole output in
+#: ``response.completed``), and for the other shapes a long last event before a short terminal one.
+TEXT = "x" * 20_000
+LONG: dict[str, list[bytes]] = {
+    "chat": [
+        _data({"choices": [{"index": 0, "delta": {"content": TEXT}, "finish_reason": None}]}),
+        *CHAT_STREAM[1:],
+    ],
+    "messages": [
+        *MESSAGES_STREAM[:2],
+        _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": TEXT}}),
+        MESSAGES_STREAM[3],
+        _event(  # a long final message_delta (a long stop sequence), its usage at its end
+            "message_delta",
+            {
+                "delta": {"stop_reason": "end_turn", "stop_sequence": "y" * 6000},
+                "usage": {"output_tokens": 3},
+            },
+        ),
+        MESSAGES_STREAM[5],
+    ],
+    "responses": [
+        RESPONSES_STREAM[0],
+        _event(
+            "response.completed",
+            {
+                "response": {
+                    "status": "completed",
+                    "output": [{"type": "message", "content": [{"type": "output_text", "text": TEXT}]}],
+                    "usage": {"input_tokens": 7, "output_tokens": 3},
+                }
+            },
+        ),
+    ],
+}
+
+
+def _writes(script: list[bytes], how: str) -> list[bytes]:
+    """The engine's writes: each event as one (``events``), the stream as one, or in 1000-byte parts (the
+    gateway's splitter joins an event read in several)."""
+    if how == "one-write":
+        return [b"".join(script)]
+    if how == "parts":
+        whole = b"".join(script)
+        return [whole[i : i + 1000] for i in range(0, len(whole), 1000)]
+    return script
+
 
 @dataclass
 class EndlessEngine(FakeEngine):
@@ -132,6 +179,18 @@ def cluster(cluster: ClusterFactory) -> ClusterFactory:
     )
 
 
+def _answered(c: Cluster, engine: EndlessEngine, shape: str) -> None:
+    """The turn counted as answered: one ok request, its usage and finish reason, its TTFT learned."""
+    c.wait_idle()  # the gateway closed the engine's body and let go of the request
+    assert engine.cancelled == 1
+    assert requests(c) == {("a", "ok"): 1}
+    assert counts(c, "warmroute_prompt_tokens_total") == {("a", "m"): 7}
+    assert counts(c, "warmroute_completion_tokens_total") == {("a", "m"): 3}
+    finished = {} if shape == "responses" else {("a", "stop"): 1}  # Responses streams carry no finish reason
+    assert counts(c, "warmroute_finish_reasons_total") == finished
+    assert c.gateway.registry.backends["a"].prefill_tps != DEFAULT_PREFILL_TPS  # the turn taught its TTFT
+
+
 @pytest.mark.parametrize("shape", sorted(CASES))
 def test_a_hang_up_right_after_the_terminal_event_is_an_answered_turn(
     cluster: ClusterFactory, shape: str
@@ -141,14 +200,7 @@ def test_a_hang_up_right_after_the_terminal_event_is_an_answered_turn(
     c = cluster(engines=[engine])
     got = _post_and_hang_up(c, path, {"model": "m", "stream": True, **extra}, script[-1])
     assert b" 200 OK" in got.split(b"\r\n", 1)[0]
-    c.wait_idle()  # the gateway closed the engine's body and let go of the request
-    assert engine.cancelled == 1
-    assert requests(c) == {("a", "ok"): 1}
-    assert counts(c, "warmroute_prompt_tokens_total") == {("a", "m"): 7}
-    assert counts(c, "warmroute_completion_tokens_total") == {("a", "m"): 3}
-    finished = {} if shape == "responses" else {("a", "stop"): 1}  # Responses streams carry no finish reason
-    assert counts(c, "warmroute_finish_reasons_total") == finished
-    assert c.gateway.registry.backends["a"].prefill_tps != DEFAULT_PREFILL_TPS  # the turn taught its TTFT
+    _answered(c, engine, shape)
 
 
 @pytest.mark.parametrize("shape", sorted(CASES))
@@ -161,3 +213,50 @@ def test_a_hang_up_before_the_terminal_event_is_a_disconnect(cluster: ClusterFac
     assert engine.cancelled == 1
     assert requests(c) == {("a", "client_disconnect"): 1}
     assert c.gateway.registry.backends["a"].prefill_tps == DEFAULT_PREFILL_TPS  # a disconnect teaches nothing
+
+
+@pytest.mark.parametrize("how", ["events", "one-write", "parts"])
+@pytest.mark.parametrize("shape", sorted(LONG))
+def test_a_hang_up_right_after_a_long_last_event_is_an_answered_turn(
+    cluster: ClusterFactory, shape: str, how: str
+) -> None:
+    """Past the tap's tail: Responses' 20 KB ``response.completed`` itself; a long last event before a short
+    ``message_stop`` or ``[DONE]``."""
+    path, extra, _ = CASES[shape]
+    script = LONG[shape]
+    engine = EndlessEngine("a", script=_writes(script, how))
+    c = cluster(engines=[engine])
+    got = _post_and_hang_up(c, path, {"model": "m", "stream": True, **extra}, script[-1])
+    assert b" 200 OK" in got.split(b"\r\n", 1)[0]
+    _answered(c, engine, shape)
+
+
+def test_a_hang_up_in_the_middle_of_a_long_terminal_event_is_a_disconnect(cluster: ClusterFactory) -> None:
+    """The client had part of ``response.completed``: the tap has none of it (held until it ends)."""
+    path, extra, _ = CASES["responses"]
+    delta, completed = LONG["responses"]
+    engine = EndlessEngine("a", script=[delta, completed[:10_000]])
+    c = cluster(engines=[engine])
+    _post_and_hang_up(c, path, {"model": "m", "stream": True, **extra}, completed[9_900:10_000])
+    c.wait_idle()
+    assert engine.cancelled == 1
+    assert requests(c) == {("a", "client_disconnect"): 1}
+    assert counts(c, "warmroute_prompt_tokens_total") == {}
+    assert c.gateway.registry.backends["a"].prefill_tps == DEFAULT_PREFILL_TPS
+
+
+@pytest.mark.parametrize("shape", sorted(LONG))
+def test_a_hang_up_before_a_long_last_event_ends_the_stream_is_a_disconnect(
+    cluster: ClusterFactory, shape: str
+) -> None:
+    """Everything but the terminal event (Responses: the long one itself missing; the others: their long
+    last event sent, the short terminal one not)."""
+    path, extra, _ = CASES[shape]
+    script = LONG[shape]
+    engine = EndlessEngine("a", script=script[:-1])
+    c = cluster(engines=[engine])
+    _post_and_hang_up(c, path, {"model": "m", "stream": True, **extra}, script[-2])
+    c.wait_idle()
+    assert engine.cancelled == 1
+    assert requests(c) == {("a", "client_disconnect"): 1}
+    assert c.gateway.registry.backends["a"].prefill_tps == DEFAULT_PREFILL_TPS

@@ -9,6 +9,7 @@ from test_proxy_phases import context, make_proxy, run
 
 from gateway.observe import Observation, ResponseTap, Usage, parse_usage
 from gateway.proxy import Proxy
+from gateway.sse import MAX_EVENT_BYTES, EventSplitter
 
 from transports import FakeTransport, Reply
 
@@ -131,8 +132,82 @@ def test_the_tap_knows_whether_the_last_event_relayed_ends_the_stream(relayed: b
     assert tap.ended((b"data: [DONE]",)) is ended
 
 
-def test_a_terminal_event_longer_than_the_tail_is_not_recognised() -> None:
-    """Only the tail is kept: an event that began before it cannot be told apart (a disconnect, as before)."""
+def test_fed_bytes_keep_only_the_tail() -> None:
+    """A plain body's reads (``feed``) are not events: an event that began before the tail is not told."""
     tap = ResponseTap()
     tap.feed(b"event: response.completed\ndata: " + b"x" * 8192 + b"\n\n")
     assert not tap.ended((b"event: response.completed",))
+
+
+RESPONSES_END = (b"event: response.completed", b"event: response.incomplete")
+DELTA = b'event: response.output_text.delta\ndata: {"delta": "hi"}\n\n'
+
+
+def _completed(size: int, eol: bytes = b"\n") -> bytes:
+    doc = b'{"response": {"output": "' + b"x" * size + b'", "usage": {"input_tokens": 7}}}'
+    return b"event: response.completed" + eol + b"data: " + doc + eol + eol
+
+
+def _relayed(*reads: bytes, max_event: int = MAX_EVENT_BYTES) -> ResponseTap:
+    """A tap fed as the relay feeds it: each engine read through one splitter, its pieces (if any) taken."""
+    tap, splitter = ResponseTap(), EventSplitter(max_event)
+    for read in reads:
+        if pieces := splitter.feed(read):
+            tap.take(pieces)
+    return tap
+
+
+def _cut(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize(
+    ("reads", "ended"),
+    [
+        ([DELTA, _completed(20_000)], True),  # one read each (a ``Whole``)
+        ([DELTA + _completed(20_000)], True),  # the delta and the long event in one read
+        (_cut(DELTA + _completed(20_000), 1000), True),  # the splitter joins it from twenty reads
+        (_cut(DELTA + _completed(20_000, b"\r\n"), 1000), True),  # CRLF
+        ([DELTA, _completed(20_000, b"\r\n")[:-1], b"\n"], True),  # its last LF alone, after its CR ended it
+        ([DELTA, _completed(4090)], True),  # just about the tail's size
+        ([DELTA, _completed(20_000).replace(b"completed", b"incomplete", 1)], True),
+        ([DELTA, _completed(20_000), b"\n\n\n"], True),  # blank lines after it are no event
+        ([DELTA, _completed(20_000), DELTA], False),  # an event after it
+        ([DELTA, _completed(20_000).replace(b"completed", b"in_progress", 1)], False),  # not a terminal one
+        ([DELTA, _completed(20_000)[:-1]], False),  # not ended: held back by the splitter, never relayed
+        ([_completed(20_000)], True),  # the whole stream is that one event
+    ],
+    ids=[
+        "own-read",
+        "one-read",
+        "twenty-reads",
+        "crlf",
+        "crlf-lf-alone",
+        "tail-size",
+        "incomplete",
+        "blank-lines-after",
+        "event-after",
+        "not-terminal",
+        "unended",
+        "only-event",
+    ],
+)
+def test_a_terminal_event_longer_than_the_tail_is_found_in_its_read(reads: list[bytes], ended: bool) -> None:
+    assert _relayed(*reads).ended(RESPONSES_END) is ended
+
+
+def test_a_terminal_event_past_the_splitters_bound_is_not_taken_for_an_ended_one() -> None:
+    """Parts of an event over the bound are relayed as they come: a hang-up in the middle of one whose
+    beginning looks terminal is still a disconnect (its reads do not end an event)."""
+    long = _completed(20_000)
+    assert not _relayed(DELTA + long[:6000], max_event=1024).ended(RESPONSES_END)
+    assert not _relayed(DELTA + long[:6000], long[6000:12000], max_event=1024).ended(RESPONSES_END)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_a_last_event_about_the_tails_size_is_found(eol: bytes) -> None:
+    """Around 4 KiB, the blank line before the event falls out of the tail: the event's own read holds it."""
+    for size in range(3950, 4150):
+        event = _completed(size, eol)
+        assert _relayed(DELTA * 3, event).ended(RESPONSES_END), len(event)
+        assert not _relayed(DELTA * 3, event, DELTA).ended(RESPONSES_END), len(event)
