@@ -263,8 +263,9 @@ class RoutingFeedback:
         if info.first_turn and obs.reply is not None and (self.kv is not None or not info.own_key):
             replied = reply_key(info.head_key, obs.reply)
         if usage is not None:
-            if usage.prompt_tokens > 0:
-                self.chars_per_token.add(info.prompt_chars / usage.prompt_tokens)
+            if usage.prompt_tokens > 0:  # ``Ewma.add`` inline (this one and the turn's size: per request)
+                e = self.chars_per_token
+                e.value += e.alpha * (info.prompt_chars / usage.prompt_tokens - e.value)
             if usage.cached_tokens is not None:
                 uncached = usage.prompt_tokens - usage.cached_tokens
                 if not info.first_turn:
@@ -281,7 +282,8 @@ class RoutingFeedback:
             self.speeds.prefill(obs.backend, uncached + queued, obs.first_byte_s, now, queued > 0)
         next_key = obs.key
         if not info.first_turn:
-            self.turn_tokens.add(uncached)
+            e = self.turn_tokens
+            e.value += e.alpha * (uncached - e.value)
         elif replied is not None and not info.own_key:
             next_key = replied
             self.replies.move(next_key, obs.backend, now)
