@@ -125,7 +125,9 @@ class RoutingFeedback:
         info = ctx.route
         assert info is not None
         cpt = self.chars_per_token.value
-        head_key, key = info.head_key, ctx.affinity_key
+        head_key, key = info.head_key, ctx.route_key  # ``ctx.affinity_key`` inline (a property)
+        if key is None:
+            key = ctx.key
         holders = self.holders.get(head_key)
         hint = None
         if info.first_turn and not info.own_key:  # ``info.twin_head``
@@ -225,7 +227,9 @@ class RoutingFeedback:
             return
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
-        backend, key = lease.backend.id, ctx.affinity_key
+        backend, key = lease.backend.id, ctx.route_key  # ``ctx.affinity_key`` inline (a property)
+        if key is None:
+            key = ctx.key
         if self.kv is not None and backend in self.kv.engines:
             info.kv_mark = self.kv.mark(backend)
             estimate = self.kv.held(key, backend)
@@ -233,13 +237,11 @@ class RoutingFeedback:
                 estimate = self.kv.held(info.head_key, backend)
             info.kv_estimate = -1 if estimate is None else estimate
         # In flight now: counted by the lease until it finishes, no longer among the active ones.
-        if info.first_turn:
-            self.active.discard(key)
-        else:
-            entry = self.active.entry(key)
-            if entry is not None:  # its last turn ended at most this long ago (its generation's latest use)
-                self.pause_s.add(max(0.0, self.clock() - (entry[1] - self.active.ttl_s)))
-                self.active.discard(key)  # (absent: nothing to discard, and a second lookup saved)
+        active = self.active
+        expires = active.take(key)
+        if expires is not None and not info.first_turn:
+            # Its last turn ended at most this long ago (its generation's latest use).
+            self.pause_s.add(max(0.0, self.clock() - (expires - active.ttl_s)))
         self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------
@@ -256,15 +258,20 @@ class RoutingFeedback:
                 self.speeds.set_weight(obs.backend, added.cfg.weight)
         usage = obs.usage
         uncached = info.uncached_tokens
+        # A first turn's next turn routes by its reply: that key, once (for the replies and the KV index).
+        replied = None
+        if info.first_turn and obs.reply is not None and (self.kv is not None or not info.own_key):
+            replied = reply_key(info.head_key, obs.reply)
         if usage is not None:
-            if usage.prompt_tokens > 0:
-                self.chars_per_token.add(info.prompt_chars / usage.prompt_tokens)
+            if usage.prompt_tokens > 0:  # ``Ewma.add`` inline (this one and the turn's size: per request)
+                e = self.chars_per_token
+                e.value += e.alpha * (info.prompt_chars / usage.prompt_tokens - e.value)
             if usage.cached_tokens is not None:
                 uncached = usage.prompt_tokens - usage.cached_tokens
                 if not info.first_turn:
                     self._held(info, obs.backend, usage.prompt_tokens, usage.cached_tokens, now)
             if self.kv is not None:
-                self._kv_learn(obs, info, usage)
+                self._kv_learn(obs, info, usage, replied)
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
@@ -275,9 +282,10 @@ class RoutingFeedback:
             self.speeds.prefill(obs.backend, uncached + queued, obs.first_byte_s, now, queued > 0)
         next_key = obs.key
         if not info.first_turn:
-            self.turn_tokens.add(uncached)
-        elif obs.reply is not None and not info.own_key:
-            next_key = reply_key(info.head_key, obs.reply)
+            e = self.turn_tokens
+            e.value += e.alpha * (uncached - e.value)
+        elif replied is not None and not info.own_key:
+            next_key = replied
             self.replies.move(next_key, obs.backend, now)
         # Active until its next turn (or the window's end): keyed as that turn will be, so each of several
         # twins sharing one head counts once.
@@ -285,16 +293,14 @@ class RoutingFeedback:
         if self.speeds.refresh(now) or added is not None:
             self._publish_rates(now)
 
-    def _kv_learn(self, obs: Observation, info: RouteInfo, usage: Usage) -> None:
+    def _kv_learn(self, obs: Observation, info: RouteInfo, usage: Usage, replied: str | None) -> None:
         """Tie the finished turn to the block ending its prompt on its engine, under the key its next turn
         routes by (and, on a first turn, the head's); compare the index's estimate with the report."""
         if self.kv is None or info.kv_mark < 0:
             return
         if info.kv_estimate >= 0 and usage.cached_tokens is not None and self.kv_metrics is not None:
             self.kv_metrics.cached(obs.backend, info.kv_estimate, usage.cached_tokens)
-        next_key = obs.key
-        if info.first_turn and obs.reply is not None:
-            next_key = reply_key(info.head_key, obs.reply)
+        next_key = obs.key if replied is None else replied
         # A first turn: its next turn routes by the reply (or its session id: ``obs.key``); twins by the head.
         keys = (next_key, obs.key, info.head_key) if info.first_turn else (obs.key,)
         self.kv.record(tuple(dict.fromkeys(keys)), obs.backend, info.kv_mark, usage.prompt_tokens)

@@ -79,10 +79,16 @@ class AffinityTable:
 
     def move(self, key: str, backend: str, now: float) -> None:
         """Pin ``key`` to ``backend`` whatever it was pinned to."""
-        self.expire(now)
-        found = self._find(key)
-        if found is not None:
-            self._drop(found[0], key, found[1])
+        gens, ttl_s = self._gens, self.ttl_s
+        while gens and gens[0].last + ttl_s <= now:  # ``expire``, ``_find`` and ``_drop`` inline: once per
+            self._discard(gens.popleft())  # request of a policy that counts conversations between turns
+        for gen in reversed(gens):
+            pins = gen.pins
+            index = pins.get(key)
+            if index is not None:
+                del pins[key]
+                self._uncount(gen, index, 1)
+                break
         self._insert(key, backend, now)
 
     def forget(self, key: str) -> str | None:
@@ -95,7 +101,20 @@ class AffinityTable:
 
     def discard(self, key: str) -> None:
         """Drop ``key``'s pin, if any."""
-        self.forget(key)
+        self.take(key)
+
+    def take(self, key: str) -> float | None:
+        """Drop ``key``'s pin, if any, and say when it would have expired (``entry``'s second item), or
+        None: ``entry`` then ``discard`` in one walk of the generations (once per request of a policy that
+        counts conversations between their turns)."""
+        for gen in reversed(self._gens):  # ``_find`` and ``_drop`` inline
+            pins = gen.pins
+            index = pins.get(key)
+            if index is not None:
+                del pins[key]
+                self._uncount(gen, index, 1)
+                return gen.last + self.ttl_s
+        return None
 
     def forget_backend(self, backend: str) -> int:
         """Drop every pin to ``backend`` (it was removed from the config). Returns how many."""

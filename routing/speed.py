@@ -10,7 +10,8 @@ Prefill samples are the uncached prompt tokens plus the tokens queued ahead of t
 to first token: the same quantity the cost model divides by the rate (``routing.cost``). The queue ahead is
 an estimate, so a backend's queue-free samples are preferred (``prefill``'s ``queued``). Pure: ``now`` is
 passed in; reading a rate is a dict lookup. With ``refresh_s`` = 0 rates are recomputed on every sample.
-Otherwise samples are only summed, and ``refresh(now)`` recomputes them at most once per ``refresh_s``:
+Otherwise samples are only summed, and ``refresh(now)`` recomputes them at most once per ``refresh_s``
+(the prefill rates: the decode ones, which no decision reads, are computed when ``decode_tps`` is read):
 with a half-life of seconds, the samples of a fraction of a second move no rate that a decision could tell
 apart, and recomputing every backend's rate per request was the largest item of the ttft policy's CPU per
 request. ``refresh`` says whether it did, so a reader copies the rates only when they changed.
@@ -67,7 +68,6 @@ class SpeedEstimator:
         self._decode: dict[str, DecayedSums] = {}
         self._clean_at: dict[str, float] = {}  # backend -> its latest queue-free prefill sample
         self.prefill_tps: dict[str, float] = {}  # backend -> current estimate (read on the hot path)
-        self.decode_tps: dict[str, float] = {}
         self._recompute()
 
     def set_weight(self, backend: str, weight: float) -> None:
@@ -93,10 +93,7 @@ class SpeedEstimator:
 
     def decode(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
-            _sums(self._decode, backend).add(tokens, seconds, now, self.half_life_s)
-            self._dirty = True
-            if not self.refresh_s:
-                self.refresh(now)
+            _sums(self._decode, backend).add(tokens, seconds, now, self.half_life_s)  # read by ``decode_tps``
 
     def refresh(self, now: float) -> bool:
         """Recompute the rates if samples came since the last time and ``refresh_s`` has passed."""
@@ -106,16 +103,25 @@ class SpeedEstimator:
             return True
         return False
 
+    @property
+    def decode_tps(self) -> dict[str, float]:
+        """Backend -> current decode estimate, computed when read (no decision reads it: the refresh
+        recomputes only the prefill rates)."""
+        out: dict[str, float] = {}
+        self._rates(self._decode, out, DEFAULT_DECODE_TPS)
+        return out
+
     def _recompute(self) -> None:
         self._dirty = False
-        for sums, out, default in ((self._prefill, self.prefill_tps, DEFAULT_PREFILL_TPS),
-                                   (self._decode, self.decode_tps, DEFAULT_DECODE_TPS)):  # fmt: skip
-            reference = self._reference(sums, default)
-            for backend, weight in self.weights.items():
-                prior_rate = reference * weight
-                s = sums.get(backend)
-                tokens, seconds = (s.tokens, s.seconds) if s is not None else (0.0, 0.0)
-                out[backend] = (tokens + self.prior_tokens) / (seconds + self.prior_tokens / prior_rate)
+        self._rates(self._prefill, self.prefill_tps, DEFAULT_PREFILL_TPS)
+
+    def _rates(self, sums: Mapping[str, DecayedSums], out: dict[str, float], default: float) -> None:
+        reference = self._reference(sums, default)
+        for backend, weight in self.weights.items():
+            prior_rate = reference * weight
+            s = sums.get(backend)
+            tokens, seconds = (s.tokens, s.seconds) if s is not None else (0.0, 0.0)
+            out[backend] = (tokens + self.prior_tokens) / (seconds + self.prior_tokens / prior_rate)
 
     def _reference(self, sums: Mapping[str, DecayedSums], default: float) -> float:
         """Rate per unit of weight over what was measured (the default before any sample)."""
