@@ -7,8 +7,10 @@ The body itself is pumped by gateway/exchange.py's ``Relay``; what is here has n
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
+from typing import ClassVar
 
 from starlette.types import Message, Send
 
@@ -81,25 +83,94 @@ class Expiry(StrEnum):
     DEADLINE = "deadline"  # the whole request ran past request_s
 
 
-class SilenceWatch:
+class Alarm:
+    """A deadline kept by ``Alarms``: ``due`` (loop time); ``check(now)`` at or after it acts and returns
+    None, or returns the next time it is due (it moved meanwhile)."""
+
+    __slots__ = ("due",)
+    due: float
+
+    def check(self, now: float) -> float | None:
+        raise NotImplementedError
+
+
+class Alarms:
+    """A loop's deadlines on one loop timer. A request's deadlines (its head's, its engine's silence) are
+    almost never reached, and a loop timer costs ~5k instructions to arm and as much to cancel (uvloop): so
+    each is a number in a set, and the one timer is armed for the earliest. When it fires, each alarm due
+    checks itself (one that moved says when it is due now) and the timer is armed for the next; an alarm
+    earlier than the armed timer re-arms it at once, so every alarm acts at its own time, as on a timer of
+    its own. ``of`` gives the running loop's."""
+
+    __slots__ = ("_handle", "_live", "_loop", "_when")
+
+    _by_loop: ClassVar[dict[asyncio.AbstractEventLoop, Alarms]] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._live: set[Alarm] = set()
+        self._handle: asyncio.TimerHandle | None = None
+        self._when = math.inf
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Alarms:
+        alarms = cls._by_loop.get(loop)
+        if alarms is None:
+            for old in [old for old in cls._by_loop if old.is_closed()]:
+                del cls._by_loop[old]
+            alarms = cls._by_loop[loop] = cls(loop)
+        return alarms
+
+    def add(self, alarm: Alarm) -> None:
+        self._live.add(alarm)
+        if alarm.due < self._when:
+            self._arm(alarm.due)
+
+    def discard(self, alarm: Alarm) -> None:
+        self._live.discard(alarm)  # the timer stays: firing with nothing due costs less than a cancel
+
+    def _arm(self, when: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._when = when
+        self._handle = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._handle, self._when = None, math.inf
+        now, nearest = self._loop.time(), math.inf
+        for alarm in list(self._live):  # a copy: those that act leave the set
+            if alarm.due <= now:
+                due = alarm.check(now)
+                if due is None:
+                    self._live.discard(alarm)
+                    continue
+                alarm.due = due
+            nearest = min(nearest, alarm.due)
+        if nearest < math.inf:
+            self._arm(nearest)
+
+
+class SilenceWatch(Alarm):
     """Cancels ``task`` when the engine is silent for ``read_s`` or the loop time passes ``deadline``.
 
     Time spent waiting for the client to take a chunk (``sending``) is not engine silence: a slow reader
     must not be blamed on a healthy engine. Lazy on purpose: a chunk costs two attribute stores, and the
-    timer re-arms itself at most once per ``read_s``, not once per chunk.
+    watch is checked (on the loop's ``Alarms``) at most once per ``read_s``, not once per chunk.
     """
 
-    __slots__ = ("_handle", "_loop", "_task", "deadline", "fired", "last", "read_s", "sending")
+    __slots__ = ("_alarms", "_loop", "_task", "deadline", "fired", "last", "read_s", "sending")
 
     def __init__(self, task: asyncio.Task[None], read_s: float, deadline: float) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._task = task
         self.read_s = read_s
         self.deadline = deadline
-        self.last = self._loop.time()
+        self.last = loop.time()
         self.sending = False
         self.fired: Expiry | None = None
-        self._handle = self._loop.call_at(min(deadline, self.last + read_s), self._check)
+        self.due = min(deadline, self.last + read_s)
+        self._alarms = Alarms.of(loop)
+        self._alarms.add(self)
 
     @classmethod
     def for_request(cls, ctx: RequestContext, timeouts: TimeoutConfig) -> SilenceWatch:
@@ -113,35 +184,34 @@ class SilenceWatch:
         self.last = self._loop.time()
 
     def cancel(self) -> None:
-        self._handle.cancel()
+        self._alarms.discard(self)
 
-    def _check(self) -> None:
-        now = self._loop.time()
+    def check(self, now: float) -> float | None:
         if now >= self.deadline:
             self._fire(Expiry.DEADLINE)
-            return
+            return None
         due = now + self.read_s if self.sending else self.last + self.read_s
         if due <= now:
             self._fire(Expiry.SILENCE)
-            return
-        self._handle = self._loop.call_at(min(due, self.deadline), self._check)
+            return None
+        return min(due, self.deadline)
 
     def _fire(self, why: Expiry) -> None:
         self.fired = why
         self._task.cancel()
 
 
-class Deadline:
+class Deadline(Alarm):
     """``asyncio.timeout(delay)``, the same behaviour for the one use per request (an attempt's wait for
     its answer's head): on expiry the task is cancelled, and that ``CancelledError`` leaves the block as
     ``TimeoutError``; a cancel from elsewhere (the client left) stays a cancel. On Python 3.11 the stdlib's
-    costs ~29k instructions a use (its state is an enum, each load through ``EnumType``'s slow hook), this
-    one ~half (callgrind, 2000 uses)."""
+    costs ~29k instructions a use (its state is an enum, each load through ``EnumType``'s slow hook, and a
+    loop timer armed and cancelled); this one is a number on the loop's ``Alarms``."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_task", "_when")
+    __slots__ = ("_alarms", "_cancelling", "_expired", "_handle", "_task")
 
     def __init__(self, delay: float) -> None:
-        self._when = asyncio.get_running_loop().time() + delay
+        self.due = asyncio.get_running_loop().time() + delay
         self._expired = False
 
     async def __aenter__(self) -> None:
@@ -150,17 +220,27 @@ class Deadline:
         self._task = task
         self._cancelling = task.cancelling()
         loop = asyncio.get_running_loop()
-        if self._when <= loop.time():
-            self._handle: asyncio.Handle = loop.call_soon(self._expire)
+        self._alarms: Alarms | None = None
+        self._handle: asyncio.Handle | None = None
+        if self.due <= loop.time():
+            self._handle = loop.call_soon(self._expire)
         else:
-            self._handle = loop.call_at(self._when, self._expire)
+            self._alarms = Alarms.of(loop)
+            self._alarms.add(self)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
-        self._handle.cancel()
+        if self._alarms is not None:
+            self._alarms.discard(self)
+        elif self._handle is not None:
+            self._handle.cancel()
         if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
             raise TimeoutError from exc  # no other cancel came meanwhile: this one was ours
+
+    def check(self, now: float) -> float | None:
+        self._expire()
+        return None
 
     def _expire(self) -> None:
         self._task.cancel()

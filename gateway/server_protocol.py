@@ -6,7 +6,7 @@ sockets until the process runs out of file descriptors. ``GatewayHttpProtocol`` 
 
 - a head deadline: from accept (or from the first byte of a keep-alive connection's next request) until
   the request head is complete. A socket that sent nothing is closed; one that sent part of a head gets 408.
-  Idle keep-alive connections stay uvicorn's business (``timeout_keep_alive``).
+  Idle keep-alive connections close after uvicorn's ``timeout_keep_alive``, on one lazy timer (below).
 - a head size limit (request line included, counted from the head's first byte wherever it starts in a
   read, pipelined or not) and a header-count limit: 431 as soon as one is crossed.
 - heads refused before dispatch (``gateway.framing``): protocol upgrades, a missing or repeated Host,
@@ -21,7 +21,8 @@ An error for a pipelined request waits until the requests before it are answered
 to the request it belongs to.
 
 Cost on the hot path: one timer per connection (the first head's); later heads and bodies get one only
-if a chunk leaves them incomplete; a few comparisons and one ``find`` per received chunk. Errors are
+if a chunk leaves them incomplete; the keep-alive timer is re-armed at most once per
+``timeout_keep_alive``; a few comparisons and one ``find`` per received chunk. Errors are
 OpenAI-shaped; each logs one line.
 
 It reads its limits and the state a worker's connections share from an ``InboundConfig``
@@ -147,6 +148,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refusal: GatewayError | None = None
         self._owed: tuple[GatewayError, bool] | None = None
+        self._idle_at: float | None = None  # when the last response completed, until data comes
 
     # -- connection ---------------------------------------------------------------------------------------
 
@@ -167,7 +169,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._body_timer, self._linger_timer):
+        timers = (self._head_timer, self._body_timer, self._linger_timer, self.timeout_keep_alive_task)
+        self.timeout_keep_alive_task = None
+        for timer in timers:
             if timer is not None:
                 timer.cancel()
         if self._reserved:
@@ -282,7 +286,38 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             if not self.transport.is_closing():
                 self._answer(err, linger)
             return
-        super().on_response_complete()
+        # uvicorn's, except for its keep-alive timer: that one is lazy (``_keep_alive_due``).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_at = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+
+    # -- keep-alive ---------------------------------------------------------------------------------------
+    # uvicorn arms a timer per response and cancels it when the next request's first byte comes: on a busy
+    # connection that is a timer (~10k instructions, uvloop) per request. Here one stays armed: data only
+    # marks the connection busy, and when the timer fires it closes a connection idle for
+    # ``timeout_keep_alive``, re-arms for the rest of an idle spell that started later, or goes (busy: the
+    # next response arms one). The connection closes when uvicorn's would.
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_at = None
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_at is None:
+            return
+        left = self._idle_at + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+            return
+        self.timeout_keep_alive_handler()
 
     # -- deadlines ----------------------------------------------------------------------------------------
 
