@@ -11,50 +11,9 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from loop_clock import LoopClock
 
 from gateway.relay import Alarm, Alarms, Deadline, Expiry, SilenceWatch
-
-
-class _Handle:
-    def __init__(self, when: float, callback: Callable[[], None]) -> None:
-        self.when, self.callback, self.cancelled = when, callback, False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-def _when(handle: _Handle) -> float:
-    return handle.when
-
-
-class _Clock:
-    """The two loop methods ``Alarms`` uses, on a clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.handles: list[_Handle] = []
-
-    def time(self) -> float:
-        return self.now
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> _Handle:
-        handle = _Handle(when, callback)
-        self.handles.append(handle)
-        return handle
-
-    def armed(self) -> list[float]:
-        return [h.when for h in self.handles if not h.cancelled]
-
-    def run_until(self, t: float) -> None:
-        """Fire each armed timer due by ``t``, in time order, the clock at its time."""
-        while due := sorted(
-            (h for h in self.handles if not h.cancelled and h.when <= t), key=lambda h: h.when
-        ):
-            handle = due[0]
-            handle.cancelled = True  # a timer fires once
-            self.now = max(self.now, handle.when)
-            handle.callback()
-        self.now = t
 
 
 class _Note(Alarm):
@@ -74,12 +33,12 @@ class _Note(Alarm):
         return None
 
 
-def _alarms(clock: _Clock) -> Alarms:
+def _alarms(clock: LoopClock) -> Alarms:
     return Alarms(clock)  # type: ignore[arg-type]  # the two methods it uses
 
 
 def test_alarms_share_one_timer_armed_for_the_earliest_and_each_acts_at_its_time() -> None:
-    clock = _Clock()
+    clock = LoopClock()
     alarms = _alarms(clock)
     first, later, earlier = _Note(10.0), _Note(30.0), _Note(5.0)
     alarms.add(first)
@@ -93,7 +52,7 @@ def test_alarms_share_one_timer_armed_for_the_earliest_and_each_acts_at_its_time
 
 
 def test_an_alarm_that_left_never_acts_and_its_timer_is_not_cancelled() -> None:
-    clock = _Clock()
+    clock = LoopClock()
     alarms = _alarms(clock)
     gone, stays = _Note(5.0), _Note(20.0)
     alarms.add(gone)
@@ -105,7 +64,7 @@ def test_an_alarm_that_left_never_acts_and_its_timer_is_not_cancelled() -> None:
 
 
 def test_an_alarm_that_moved_is_checked_again_at_its_new_time() -> None:
-    clock = _Clock()
+    clock = LoopClock()
     alarms = _alarms(clock)
     moved = _Note(5.0, moves_to=12.0)
     alarms.add(moved)
@@ -116,7 +75,7 @@ def test_an_alarm_that_moved_is_checked_again_at_its_new_time() -> None:
 
 
 def test_an_alarm_added_after_the_timer_fired_empty_gets_a_timer() -> None:
-    clock = _Clock()
+    clock = LoopClock()
     alarms = _alarms(clock)
     gone = _Note(5.0)
     alarms.add(gone)

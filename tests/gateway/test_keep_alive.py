@@ -6,57 +6,19 @@ calls (``_unset_keepalive_if_required``), "a response completed" is uvicorn's ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from loop_clock import LoopClock
 from uvicorn.server import ServerState
 
 from gateway.server_protocol import GatewayHttpProtocol
 
 
-class _Handle:
-    def __init__(self, when: float, callback: Callable[[], None]) -> None:
-        self.when, self.callback, self.cancelled = when, callback, False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-def _when(handle: _Handle) -> float:
-    return handle.when
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.handles: list[_Handle] = []
-
-    def time(self) -> float:
-        return self.now
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> _Handle:
-        handle = _Handle(self.now + delay, callback)
-        self.handles.append(handle)
-        return handle
-
-    def armed(self) -> list[float]:
-        return [h.when for h in self.handles if not h.cancelled]
-
-    def run_until(self, t: float) -> None:
-        while due := sorted(
-            (h for h in self.handles if not h.cancelled and h.when <= t), key=lambda h: h.when
-        ):
-            due[0].cancelled = True
-            self.now = max(self.now, due[0].when)
-            due[0].callback()
-        self.now = t
-
-
 class _Transport:
     def __init__(self) -> None:
         self.closed_at: float | None = None
-        self.clock: _Clock | None = None
+        self.clock: LoopClock | None = None
 
     def is_closing(self) -> bool:
         return self.closed_at is not None
@@ -79,10 +41,10 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     return None
 
 
-def _connection(keep_alive_s: int = 5) -> tuple[GatewayHttpProtocol, _Clock, _Transport]:
+def _connection(keep_alive_s: int = 5) -> tuple[GatewayHttpProtocol, LoopClock, _Transport]:
     config = uvicorn.Config(_app, timeout_keep_alive=keep_alive_s)
     config.load()
-    clock, transport = _Clock(), _Transport()
+    clock, transport = LoopClock(), _Transport()
     transport.clock = clock
     proto = GatewayHttpProtocol(config, ServerState(), {}, _loop=clock)
     proto.transport = transport  # type: ignore[assignment]
