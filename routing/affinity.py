@@ -80,15 +80,9 @@ class AffinityTable:
     def move(self, key: str, backend: str, now: float) -> None:
         """Pin ``key`` to ``backend`` whatever it was pinned to."""
         gens, ttl_s = self._gens, self.ttl_s
-        while gens and gens[0].last + ttl_s <= now:  # ``expire``, ``_find`` and ``_drop`` inline: once per
-            self._discard(gens.popleft())  # request of a policy that counts conversations between turns
-        for gen in reversed(gens):
-            pins = gen.pins
-            index = pins.get(key)
-            if index is not None:
-                del pins[key]
-                self._uncount(gen, index, 1)
-                break
+        while gens and gens[0].last + ttl_s <= now:  # ``expire`` inline: once per request of a policy that
+            self._discard(gens.popleft())  # counts conversations between turns
+        self.take(key)
         self._insert(key, backend, now)
 
     def forget(self, key: str) -> str | None:
