@@ -444,9 +444,9 @@ def summarize(
 def trace(records: Sequence[TurnRecord], engines: Sequence[Engine]) -> dict[str, Any]:
     """Which engine served each turn of each conversation (the grouping: which conversations shared an
     engine), in the json only: ``grouping``, per engine, the conversations whose first turn it served (in
-    the order they started); ``turns``, per conversation, its first turn's start (s since the run's), then
-    per turn the engine's number (1-based; 0: none, an error), the route (the gateway's reason; "" from the
-    oracle) and the TTFT in ms."""
+    the order they started); ``turns``, per conversation and turn: its start (s since the run's), the
+    engine's number (1-based; 0: none, an error), the route (the gateway's reason; "" from the oracle) and
+    the TTFT in ms."""
     number = {e.id: i for i, e in enumerate(engines, 1)}
     by_conversation: dict[int, list[TurnRecord]] = {}
     for r in records:
@@ -456,13 +456,13 @@ def trace(records: Sequence[TurnRecord], engines: Sequence[Engine]) -> dict[str,
         rs.sort(key=lambda r: r.turn)
         turns.append({
             "conversation": conversation,
-            "start_s": round(rs[0].started_s, 3),
+            "start_s": [round(r.started_s, 3) for r in rs],
             "engines": [number.get(r.result.backend or "", 0) for r in rs],
             "routes": [r.result.route or "" for r in rs],
             "ttft_ms": [None if r.result.ttft_s is None else round(1000 * r.result.ttft_s, 1) for r in rs],
         })  # fmt: skip
     grouping: list[list[int]] = [[] for _ in engines]
-    for t in sorted(turns, key=lambda t: t["start_s"]):
+    for t in sorted(turns, key=lambda t: t["start_s"][0]):
         if t["engines"] and t["engines"][0] > 0:
             grouping[t["engines"][0] - 1].append(t["conversation"])
     return {"grouping": grouping, "turns": turns}

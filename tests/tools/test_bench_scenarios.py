@@ -184,9 +184,9 @@ def test_the_trace_names_each_turns_engine_and_the_grouping() -> None:
     out = bench_scenarios.trace(records, engines)
     assert out["grouping"] == [[], [1, 0]]  # in the order they started
     assert out["turns"] == [
-        {"conversation": 0, "start_s": 0.5, "engines": [2, 2], "routes": ["new_cheapest", "affinity_hit"],
-         "ttft_ms": [250.0, 250.0]},
-        {"conversation": 1, "start_s": 0.0, "engines": [2, 1], "routes": ["new_cheapest", "move_cheaper"],
-         "ttft_ms": [250.0, 250.0]},
-        {"conversation": 2, "start_s": 2.0, "engines": [0], "routes": [""], "ttft_ms": [250.0]},
+        {"conversation": 0, "start_s": [0.5, 1.5], "engines": [2, 2],
+         "routes": ["new_cheapest", "affinity_hit"], "ttft_ms": [250.0, 250.0]},
+        {"conversation": 1, "start_s": [0.0, 1.0], "engines": [2, 1],
+         "routes": ["new_cheapest", "move_cheaper"], "ttft_ms": [250.0, 250.0]},
+        {"conversation": 2, "start_s": [2.0], "engines": [0], "routes": [""], "ttft_ms": [250.0]},
     ]  # fmt: skip
