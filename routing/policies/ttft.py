@@ -49,6 +49,9 @@ _MIN_MARGIN_S = 0.02
 #: count as equal: estimates of that size are not worth telling apart (a prompt's tokens are guessed from
 #: its characters, a queue's from the estimates of the requests in it).
 _SPREAD_SHARE = 0.05
+#: Learned prefill rates within this factor of each other tell no engine apart for a new conversation's
+#: placement: identical engines were learned 3900 and 4800 tok/s apart (queue-ahead estimates).
+_ALIKE = 1.35
 
 
 class TtftPolicy:
@@ -138,15 +141,19 @@ class TtftPolicy:
 
     def _new_home(self, ready: list[Candidate], request: RouteRequest) -> Candidate:
         """Among the backends within ``_SPREAD_SHARE`` of the cheapest (and ``_MIN_MARGIN_S``), the one
-        given a new conversation least recently; then the cheaper, then the rendezvous tie-break."""
+        given a new conversation least recently; then the cheaper, then the rendezvous tie-break. A backend
+        whose learned rate is within ``_ALIKE`` of the cheapest's is judged on its work (tokens) at the
+        cheapest's rate: a difference that small is the estimate's, not the engines'."""
         if len(ready) == 1:
             return ready[0]
         seed = key_seed(request.key)
         totals = [total_s(c, request, self.load_share) for c in ready]
         cheapest = min(totals)
         limit = cheapest + max(_MIN_MARGIN_S, _SPREAD_SHARE * cheapest)
+        fastest = rate(ready[totals.index(cheapest)])
+        slowest, work = fastest / _ALIKE, limit * fastest
         near = [(c.placed_at, t, rendezvous(seed, c.id), c) for c, t in zip(ready, totals, strict=True)
-                if t <= limit]  # fmt: skip
+                if t <= limit or (slowest <= rate(c) < fastest and t * rate(c) <= work)]  # fmt: skip
         return min(near, key=lambda n: n[:3])[3]
 
     def _decide(
