@@ -116,7 +116,7 @@ class TtftPolicy:
         margin = _MIN_MARGIN_S if lost else max(_MIN_MARGIN_S, self.stay_margin * stay_now)
         if there_now + margin >= stay_now:
             return self._decide(home, _HIT, keep, ready, request)
-        if stay.load_s <= there.load_s and not lost:
+        if not lost and _no_busier(stay, rate(home), there, rate(best)):
             # Home is no busier in the long run: its queue drains, and it still holds the history. A spill
             # leaves this turn out of home's cache, so the next turn there reads this tail again: the
             # spill pays it too. (Without it, twins spilled to a head holder for the few hundred tokens
@@ -150,10 +150,10 @@ class TtftPolicy:
         totals = [total_s(c, request, self.load_share) for c in ready]
         cheapest = min(totals)
         limit = cheapest + max(_MIN_MARGIN_S, _SPREAD_SHARE * cheapest)
-        fastest = rate(ready[totals.index(cheapest)])
-        slowest, work = fastest / _ALIKE, limit * fastest
+        fast = rate(ready[totals.index(cheapest)])
+        work = limit * fast  # the margin in tokens at the cheapest's rate
         near = [(c.placed_at, t, rendezvous(seed, c.id), c) for c, t in zip(ready, totals, strict=True)
-                if t <= limit or (slowest <= rate(c) < fastest and t * rate(c) <= work)]  # fmt: skip
+                if t <= limit or (_alike(rate(c), fast) and t * rate(c) <= work)]  # fmt: skip
         return min(near, key=lambda n: n[:3])[3]
 
     def _decide(
@@ -162,6 +162,20 @@ class TtftPolicy:
         uncached = uncached_tokens(chosen, request)
         costs = self.costs(ready, request) if request.explain else ()
         return Decision(chosen.id, reason, pin, uncached, costs)
+
+
+def _alike(a: float, b: float) -> bool:
+    """Two learned prefill rates too close to tell the engines apart (``_ALIKE``)."""
+    return a * _ALIKE >= b and b * _ALIKE >= a
+
+
+def _no_busier(stay: Cost, home_rate: float, there: Cost, there_rate: float) -> bool:
+    """Home is no busier in the long run than there: its load term is no larger; between engines of alike
+    rates (``_alike``), its load in tokens (a rate difference that small would call a home with as many
+    conversations busier for good, and move a follow-up the oracle keeps home)."""
+    if _alike(home_rate, there_rate):
+        return stay.load_s * home_rate <= there.load_s * there_rate
+    return stay.load_s <= there.load_s
 
 
 def _placed(request: RouteRequest) -> PinAction:
