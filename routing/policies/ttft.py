@@ -14,12 +14,17 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
     (unless its KV cache events say it evicted the history: then the pin moves, and without the margin)
   - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
     spilling every turn would pay it every turn                          (move_cheaper)
+    (between engines of alike learned rates, ``_ALIKE``, "busier" compares their loads in tokens)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
 - new                                   -> cheapest (load term included), claim        (new_cheapest)
   - several within ``_SPREAD_SHARE`` (5 %) of the cheapest: the one given a new conversation least
     recently (``Candidate.placed_at``), so conversations that start close together (agents starting in
     a burst, before any queue tells their engines apart) are spread across engines in turn instead of
     by each key's hash: sessions that start together, kept on one engine, tend to keep arriving together.
+  - an engine whose learned rate is within ``_ALIKE`` (1.35x) of the cheapest's is near when its work
+    (tokens) is within the margin at the cheapest's rate: rates that close are the estimate's noise
+    (identical engines were learned 3900 and 4800 tok/s apart), and by time alone the "faster" ones were
+    given 9 of 32 conversations of one head each, the others 7.
 
 Other ties go by the rendezvous tie-break, so every replica given the same snapshot decides the same.
 """
