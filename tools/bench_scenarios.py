@@ -451,7 +451,7 @@ def trace(records: Sequence[TurnRecord], engines: Sequence[Engine]) -> dict[str,
     by_conversation: dict[int, list[TurnRecord]] = {}
     for r in records:
         by_conversation.setdefault(r.conversation, []).append(r)
-    turns = []
+    turns: list[dict[str, Any]] = []
     for conversation, rs in sorted(by_conversation.items()):
         rs.sort(key=lambda r: r.turn)
         turns.append({
