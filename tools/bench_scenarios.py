@@ -435,9 +435,37 @@ def summarize(
         "uncached_ktok": sum((r.result.prompt_tokens or 0) - (r.result.cached_tokens or 0) for r in ok)
         / 1000,
     }
+    out.update(trace(records, engines))
     if event_at is not None:
         out.update(_event_shares(ok, engines, sc, event_at, time_scale))
     return out
+
+
+def trace(records: Sequence[TurnRecord], engines: Sequence[Engine]) -> dict[str, Any]:
+    """Which engine served each turn of each conversation (the grouping: which conversations shared an
+    engine), in the json only: ``grouping``, per engine, the conversations whose first turn it served (in
+    the order they started); ``turns``, per conversation and turn: its start (s since the run's), the
+    engine's number (1-based; 0: none, an error), the route (the gateway's reason; "" from the oracle) and
+    the TTFT in ms."""
+    number = {e.id: i for i, e in enumerate(engines, 1)}
+    by_conversation: dict[int, list[TurnRecord]] = {}
+    for r in records:
+        by_conversation.setdefault(r.conversation, []).append(r)
+    turns: list[dict[str, Any]] = []
+    for conversation, rs in sorted(by_conversation.items()):
+        rs.sort(key=lambda r: r.turn)
+        turns.append({
+            "conversation": conversation,
+            "start_s": [round(r.started_s, 3) for r in rs],
+            "engines": [number.get(r.result.backend or "", 0) for r in rs],
+            "routes": [r.result.route or "" for r in rs],
+            "ttft_ms": [None if r.result.ttft_s is None else round(1000 * r.result.ttft_s, 1) for r in rs],
+        })  # fmt: skip
+    grouping: list[list[int]] = [[] for _ in engines]
+    for t in sorted(turns, key=lambda t: t["start_s"][0]):
+        if t["engines"] and t["engines"][0] > 0:
+            grouping[t["engines"][0] - 1].append(t["conversation"])
+    return {"grouping": grouping, "turns": turns}
 
 
 def _missed(ok: Sequence[TurnRecord]) -> int:

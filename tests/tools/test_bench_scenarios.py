@@ -163,3 +163,30 @@ def test_queued_counts_admitted_waits_from_the_gateways_histogram() -> None:
     out = bench_scenarios.queued_from_metrics(generate_latest(registry).decode())
     assert (out["admitted"], out["queued"]) == (4, 2)
     assert out["queued_ms_mean"] == pytest.approx(1000 * 0.4003 / 4)
+
+
+def test_the_trace_names_each_turns_engine_and_the_grouping() -> None:
+    engines = [Engine("engine-1", "http://a"), Engine("engine-2", "http://b")]
+
+    def turn(
+        conversation: int, turn: int, backend: str | None, started: float, route: str | None
+    ) -> TurnRecord:
+        result = StreamResult(ttft_s=0.25, backend=backend, route=route)
+        return TurnRecord("ttft", 1, conversation, turn, False, started, result, None if turn == 1 else True)
+
+    records = [
+        turn(1, 1, "engine-2", 0.0, "new_cheapest"),
+        turn(0, 1, "engine-2", 0.5, "new_cheapest"),
+        turn(1, 2, "engine-1", 1.0, "move_cheaper"),
+        turn(0, 2, "engine-2", 1.5, "affinity_hit"),
+        turn(2, 1, None, 2.0, None),  # an error: no engine
+    ]
+    out = bench_scenarios.trace(records, engines)
+    assert out["grouping"] == [[], [1, 0]]  # in the order they started
+    assert out["turns"] == [
+        {"conversation": 0, "start_s": [0.5, 1.5], "engines": [2, 2],
+         "routes": ["new_cheapest", "affinity_hit"], "ttft_ms": [250.0, 250.0]},
+        {"conversation": 1, "start_s": [0.0, 1.0], "engines": [2, 1],
+         "routes": ["new_cheapest", "move_cheaper"], "ttft_ms": [250.0, 250.0]},
+        {"conversation": 2, "start_s": [2.0], "engines": [0], "routes": [""], "ttft_ms": [250.0]},
+    ]  # fmt: skip
