@@ -44,7 +44,8 @@ def count_gateway_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     def counted(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("gateway."):
+            given = name == "current_task" and (args or kwargs)  # ``current_task(loop)`` looks nothing up
+            if not given and sys._getframe(1).f_globals.get("__name__", "").startswith("gateway."):
                 counts[name] += 1
             return real(*args, **kwargs)
 
@@ -90,7 +91,8 @@ async def test_a_request_through_the_proxy_and_its_pool_looks_the_loop_up_once(
             for _ in range(5):
                 sent = await one()
                 assert sent[0]["status"] == 200
-            assert counts == {"get_running_loop": 5}  # the proxy's, once per request; eleven before
+            # The proxy's, once a request. Before: 11 (get_running_loop 8, current_task 2, create_task 1).
+            assert counts == {"get_running_loop": 5}
             assert pool.connections(url) == 1  # every request on the one pooled connection
         finally:
             await pool.aclose()
