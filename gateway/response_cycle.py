@@ -1,77 +1,49 @@
-"""uvicorn's request-response cycle, with the response head written together with the first body message.
+"""The transport a request's uvicorn cycle writes to: its response head goes with the first body message.
 
 uvicorn writes the head on ``http.response.start`` and each body message on its own: an answer read whole is
-two ``send()`` calls, and the client is woken twice. ``HeldHeadCycle`` keeps the head (as uvicorn framed it)
-until the first body message, then writes both in one ``send()``. A head with no body message in the same
-turn of the loop goes on the loop's next turn (an SSE stream whose first event is not there yet), so no
-head waits on the engine; a close (a response's end, the app's failure) writes it first. The bytes on the
-wire are uvicorn's, in its order.
-
-The head is caught by standing in for the transport while uvicorn writes it (``write``, ``close``,
-``is_closing``: all the cycle asks of one); uvicorn's framing, checks and completion are its own code.
+two ``send()`` calls, and the client is woken twice. ``HeldHead`` stands for the connection's transport in
+one request's cycle: the cycle's first write (the head, as uvicorn framed it) is held until its next write
+(the first body message) and both go in one ``send()``. A head with no write after it in the same turn of the
+loop goes on the loop's next turn (an SSE stream whose first event is not there yet), so no head waits on the
+engine; a close (the response's end without keep-alive, the app's failure) writes it first. The bytes on the
+wire are uvicorn's, in its order; uvicorn's cycle, its framing and checks, are unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from uvicorn._types import ASGISendEvent
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-
 #: Bodies up to this size are joined to the head (one copy); larger ones go beside it in one ``writelines``
 #: (a writev: no copy of the body).
 _JOIN_BYTES = 16384
 
 
-class HeldHeadCycle(RequestResponseCycle):
-    """A uvicorn cycle whose response head waits for the first body message (see the module).
+class HeldHead:
+    """The ``write``, ``close`` and ``is_closing`` a uvicorn cycle asks of its transport (see the module)."""
 
-    ``GatewayHttpProtocol`` turns each cycle it makes into one (``adopt``), before its task first runs.
-    While a head is held, ``transport`` is this cycle itself and ``_real`` the connection's transport.
-    """
+    __slots__ = ("_first", "_held", "_loop", "_real")
 
-    loop: asyncio.AbstractEventLoop
-    _real: asyncio.Transport
-    _head: bytes | None  # b"": uvicorn is writing the head now; bytes: the head held
-
-    @classmethod
-    def adopt(cls, cycle: RequestResponseCycle, loop: asyncio.AbstractEventLoop) -> None:
-        cycle.__class__ = cls  # uvicorn builds the cycle; only its ``send`` changes
-        assert isinstance(cycle, cls)
-        cycle.loop = loop
-        cycle._real = cycle.transport
-        cycle._head = None
-
-    async def send(self, message: ASGISendEvent) -> None:
-        if self.response_started or self.disconnected or message["type"] != "http.response.start":
-            await super().send(message)  # a held head goes with this message's write (``write``)
-            if self._head and self.response_complete:  # no write of its own (HEAD): the head goes now
-                self._flush()
-            return
-        self._head = b""
-        self.transport = self  # type: ignore[assignment]  # uvicorn's write of the head comes to ``write``
-        try:
-            await super().send(message)
-        finally:
-            if not self._head:  # refused before its write (an invalid header): nothing held
-                self._release()
-        if self._head:
-            self.loop.call_soon(self._flush)  # no body message this turn: the head goes on its own
-
-    # -- the transport, while a head is held ----------------------------------------------------------------
+    def __init__(self, real: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._real = real
+        self._loop = loop
+        self._held: bytes | None = None
+        self._first = True
 
     def write(self, data: bytes) -> None:
-        head = self._head
-        if head == b"":
-            self._head = data  # the head itself: held
+        if self._first:  # the head (or a 100 Continue, which goes the same way)
+            self._first = False
+            self._held = data
+            self._loop.call_soon(self._flush)  # no other write this turn: it goes on its own
             return
-        self._release()
-        if head is None:
+        held = self._held
+        if held is None:
             self._real.write(data)
-        elif len(data) <= _JOIN_BYTES:
-            self._real.write(head + data)
+            return
+        self._held = None
+        if len(data) <= _JOIN_BYTES:
+            self._real.write(held + data)
         else:
-            self._real.writelines((head, data))
+            self._real.writelines((held, data))
 
     def close(self) -> None:
         self._flush()
@@ -81,14 +53,8 @@ class HeldHeadCycle(RequestResponseCycle):
         return self._real.is_closing()
 
     def _flush(self) -> None:
-        """Write a head still held (called on the loop's next turn, and before a close)."""
-        head = self._head
-        if head is None:
-            return
-        self._release()
-        if head and not self.disconnected and not self._real.is_closing():
-            self._real.write(head)
-
-    def _release(self) -> None:
-        self._head = None
-        self.transport = self._real
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._real.is_closing():  # the client left meanwhile: nobody to write to
+                self._real.write(held)

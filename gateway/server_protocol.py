@@ -41,12 +41,12 @@ from typing import Any
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from config.settings import Settings
 from gateway.errors import BadRequest, GatewayError, RequestHeaderTooLarge, RequestTimeout, ServerBusy
 from gateway.framing import BodyFrame, ChunkedEnd, FixedLength, head_end, head_refusal
-from gateway.response_cycle import HeldHeadCycle
+from gateway.response_cycle import HeldHead
 from gateway.throttle import LogThrottle
 
 log = logging.getLogger("warmroute.server")
@@ -269,9 +269,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        before = self.cycle
         super().on_headers_complete()
-        if type(self.cycle) is RequestResponseCycle:  # made just now (not an upgrade); its task not run yet
-            HeldHeadCycle.adopt(self.cycle, self.loop)
+        if self.cycle is not before:  # made just now (not an upgrade): its task has not run yet
+            self.cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
         if self._reserved:
             self.cycle.keep_alive = False  # one /healthz per reserved connection
 
