@@ -249,7 +249,7 @@ class Relay:
         rewrites = False
         for f in filters:  # not ``any()``: a generator per response
             rewrites = rewrites or f.rewrites
-        clock = asyncio.get_running_loop().time
+        clock = watch.loop.time
         opening = ctx.shape.opening if sse else None
         # The engine's reads, each proof it is alive whatever a filter holds back (an event not ended yet).
         # The per-read bookkeeping is inline: a generator layer per read cost more than a filter.
@@ -302,7 +302,7 @@ class Relay:
         (never held). Each read is proof the engine is alive, as in ``_body``."""
         assert ctx.lease is not None
         limit, parts, size = self.limits.max_reply_bytes, [], 0
-        clock = asyncio.get_running_loop().time
+        clock = watch.loop.time
         async for chunk in response.aiter_raw():
             watch.last = clock()
             if ctx.first_byte_at is None:

@@ -45,7 +45,10 @@ class Connection(asyncio.Protocol):
         self.origin = origin  # scheme://host[:port][/prefix], as the pool was asked for it
         self.open_conns = open_conns  # joined in connection_made, left in connection_lost
         self.transport: asyncio.Transport | None = None
-        self.idle_since = 0.0
+        #: The loop it runs on, from ``connection_made``: on Python 3.11 every ``asyncio.get_running_loop()``
+        #: is a ``getpid()`` system call, and a request asked for it three times here.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.idle_since = 0.0  # ``loop.time()`` when it went idle
         self.paused = False
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
@@ -76,10 +79,10 @@ class Connection(asyncio.Protocol):
 
     def start(self, data: bytes, body: bytes, *, reused: bool, head_only: bool) -> asyncio.Future[None]:
         """Send one request; the future resolves when the head is parsed or the exchange failed."""
-        assert self.transport is not None
+        assert self.transport is not None and self.loop is not None
         parser, self._spare = self._spare or httptools.HttpResponseParser(self), None
         self._begin(parser, reused=reused, head_only=head_only)
-        self.waiter = waiter = asyncio.get_running_loop().create_future()
+        self.waiter = waiter = self.loop.create_future()
         if len(body) <= 16384:
             self.transport.write(data + body)  # one send() for the common small request
         else:
@@ -121,7 +124,8 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     async def wait(self) -> None:
-        self.waiter = waiter = asyncio.get_running_loop().create_future()
+        assert self.loop is not None
+        self.waiter = waiter = self.loop.create_future()
         await waiter
 
     def _wake(self) -> None:
@@ -143,6 +147,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self.loop = asyncio.get_running_loop()  # once per connection: called back on its loop
         self.open_conns.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:

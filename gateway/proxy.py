@@ -158,9 +158,12 @@ class Proxy:
         )
 
     async def forward(self, receive: Receive, send: Send, ctx: RequestContext) -> None:
-        ctx.task = task = asyncio.current_task()
+        # The loop looked up once: on Python 3.11 each ``get_running_loop()``, ``current_task()`` without a
+        # loop and ``asyncio.create_task()`` is a ``getpid()`` system call. Later phases: ``task.get_loop()``.
+        loop = asyncio.get_running_loop()
+        ctx.task = task = asyncio.current_task(loop)
         assert task is not None
-        watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
+        watcher = loop.create_task(_watch_disconnect(receive, ctx))
         claims: list[Release] = []  # admission's: an on-demand engine is not stopped before this finishes
         try:
             try:
@@ -362,7 +365,8 @@ class Proxy:
         headers = upstream_headers(ctx.headers, ctx.first, backend.cfg.api_key, forward)
         budget = min(self.timeouts.first_byte_s, ctx.remaining(self.timeouts.request_s))
         try:
-            async with Deadline(budget):  # asyncio.timeout's behaviour at ~half its cost (gateway/relay.py)
+            # asyncio.timeout's behaviour at ~half its cost (gateway/relay.py); this task is ``ctx.task``
+            async with Deadline(budget, ctx.task):
                 response = await self.transport.request(
                     ctx.method, backend.cfg.url, attempt.path, headers, payload
                 )

@@ -158,10 +158,10 @@ class SilenceWatch(Alarm):
     watch is checked (on the loop's ``Alarms``) at most once per ``read_s``, not once per chunk.
     """
 
-    __slots__ = ("_alarms", "_loop", "_task", "deadline", "fired", "last", "read_s", "sending")
+    __slots__ = ("_alarms", "_task", "deadline", "fired", "last", "loop", "read_s", "sending")
 
     def __init__(self, task: asyncio.Task[None], read_s: float, deadline: float) -> None:
-        self._loop = loop = asyncio.get_running_loop()
+        self.loop = loop = task.get_loop()  # not ``asyncio.get_running_loop()``: a ``getpid()`` on 3.11
         self._task = task
         self.read_s = read_s
         self.deadline = deadline
@@ -176,12 +176,12 @@ class SilenceWatch(Alarm):
     def for_request(cls, ctx: RequestContext, timeouts: TimeoutConfig) -> SilenceWatch:
         """The watch of ``ctx``'s relay: ``read_s`` of engine silence, ``request_s`` since it arrived."""
         assert ctx.task is not None
-        deadline = asyncio.get_running_loop().time() + ctx.remaining(timeouts.request_s)
+        deadline = ctx.task.get_loop().time() + ctx.remaining(timeouts.request_s)
         return cls(ctx.task, timeouts.read_s, deadline)
 
     def chunk_sent(self) -> None:
         self.sending = False
-        self.last = self._loop.time()
+        self.last = self.loop.time()
 
     def cancel(self) -> None:
         self._alarms.discard(self)
@@ -206,20 +206,24 @@ class Deadline(Alarm):
     its answer's head): on expiry the task is cancelled, and that ``CancelledError`` leaves the block as
     ``TimeoutError``; a cancel from elsewhere (the client left) stays a cancel. On Python 3.11 the stdlib's
     costs ~29k instructions a use (its state is an enum, each load through ``EnumType``'s slow hook, and a
-    loop timer armed and cancelled); this one is a number on the loop's ``Alarms``."""
+    loop timer armed and cancelled); this one is a number on the loop's ``Alarms``. ``task``: the task that
+    enters it (the current one), where the caller has it: on 3.11 each ``asyncio.current_task()`` and
+    ``get_running_loop()`` is a ``getpid()`` system call, and this took three."""
 
-    __slots__ = ("_alarms", "_cancelling", "_expired", "_handle", "_task")
+    __slots__ = ("_alarms", "_cancelling", "_expired", "_handle", "_loop", "_task")
 
-    def __init__(self, delay: float) -> None:
-        self.due = asyncio.get_running_loop().time() + delay
+    def __init__(self, delay: float, task: asyncio.Task[None] | None = None) -> None:
+        if task is None:
+            task = asyncio.current_task()
+            assert task is not None, "Deadline is entered by a task"
+        self._task = task
+        self._loop = task.get_loop()
+        self.due = self._loop.time() + delay
         self._expired = False
 
     async def __aenter__(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
+        task, loop = self._task, self._loop
         self._cancelling = task.cancelling()
-        loop = asyncio.get_running_loop()
         self._alarms: Alarms | None = None
         self._handle: asyncio.Handle | None = None
         if self.due <= loop.time():

@@ -20,6 +20,8 @@ sockets until the process runs out of file descriptors. ``GatewayHttpProtocol`` 
 An error for a pipelined request waits until the requests before it are answered, so every answer goes
 to the request it belongs to.
 
+Each response's head goes with its first body message, in one write (``gateway.response_cycle``).
+
 Cost on the hot path: one timer per connection (the first head's); later heads and bodies get one only
 if a chunk leaves them incomplete; the keep-alive timer is re-armed at most once per
 ``timeout_keep_alive``; a few comparisons and one ``find`` per received chunk. Errors are
@@ -44,6 +46,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from config.settings import Settings
 from gateway.errors import BadRequest, GatewayError, RequestHeaderTooLarge, RequestTimeout, ServerBusy
 from gateway.framing import BodyFrame, ChunkedEnd, FixedLength, head_end, head_refusal
+from gateway.response_cycle import HeldHead
 from gateway.throttle import LogThrottle
 
 log = logging.getLogger("warmroute.server")
@@ -266,7 +269,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # made just now (not an upgrade): its task has not run yet
+            self.cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
         if self._reserved:
             self.cycle.keep_alive = False  # one /healthz per reserved connection
 

@@ -284,12 +284,12 @@ class UpstreamPool:
 
     def _checkout(self, dest: Origin) -> Connection | None:
         idle = dest.idle
-        now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
             if conn.closing:  # the server hung up while it was idle
                 continue
-            if now - conn.idle_since > self._idle_timeout:  # the newest is too old, so are the rest
+            assert conn.loop is not None  # open, so made
+            if conn.loop.time() - conn.idle_since > self._idle_timeout:  # the newest is too old: so the rest
                 conn.abort()
                 while idle:
                     idle.pop().abort()
@@ -307,7 +307,8 @@ class UpstreamPool:
             return
         if not conn.release():
             return
-        now = asyncio.get_running_loop().time()
+        assert conn.loop is not None  # released for reuse, so open
+        now = conn.loop.time()  # not ``asyncio.get_running_loop()``: a ``getpid()`` on 3.11
         conn.idle_since = now
         dest.idle.append(conn)
         idle = dest.idle
