@@ -10,7 +10,8 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
                                            (affinity_hit: touch the pin, or claim the hint)
   - home no busier than there in the long run (load term): its queue drains and it keeps the history:
     a one-off spill, the pin stays, if it still wins after paying the re-read of this turn's tail at
-    home on the next turn (the spilled turn is not cached there)        (spill_overload)
+    home on the next turn (the spilled turn is not cached there) and its prefill there once more (the
+    wait it adds to whatever arrives there next)                        (spill_overload)
     (unless its KV cache events say it evicted the history: then the pin moves, and without the margin)
   - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
     spilling every turn would pay it every turn                          (move_cheaper)
@@ -117,8 +118,13 @@ class TtftPolicy:
             # Home is no busier in the long run: its queue drains, and it still holds the history. A spill
             # leaves this turn out of home's cache, so the next turn there reads this tail again: the
             # spill pays it too. (Without it, twins spilled to a head holder for the few hundred tokens
-            # of their reply and came back cold: one-off spills the oracle never makes.)
-            if there_now + request.tail_tokens / rate(home) + margin >= stay_now:
+            # of their reply and came back cold: one-off spills the oracle never makes.) And it pays its
+            # prefill there twice: once in its own wait, once in the wait of whatever arrives there next
+            # (work that engine would not have had: home does this tail anyway, on the next turn). Without
+            # it, a follow-up among equally loaded identical engines spilled when home's queue was briefly
+            # four turns long, and came back cold on the turn after.
+            spill = there_now + there.prefill_s + request.tail_tokens / rate(home)
+            if spill + margin >= stay_now:
                 return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
             return self._decide(best, Reason.SPILL_OVERLOAD, PinAction.NONE, ready, request)
         # Busier for good: move once (the re-prefill is in the cost it won with) rather than spill every turn.

@@ -130,6 +130,18 @@ def test_transient_queue_spills_one_turn_and_keeps_the_pin() -> None:
     assert (d.backend, d.reason, d.pin) == ("x", Reason.SPILL_OVERLOAD, PinAction.NONE)
 
 
+def test_a_spill_pays_its_prefill_there_twice_and_the_re_read_of_its_tail_at_home() -> None:
+    # Home "p" holds the history (300 tokens to read), "x" the head (1000 to read), both otherwise idle.
+    r = req(pinned="p", holders=frozenset({"x"}))
+    # Home's queue 4000 tokens: 4.3 s at home; 1 s there + 1 s of the wait it adds there + the tail's 0.3 s
+    # read again at home next turn + the 60 % margin (2.58 s) = 4.88 s: stays (by its own wait alone it went).
+    d = policy().select([cand("p", prefilling=4000), cand("x")], r, NOW)
+    assert (d.backend, d.reason, d.pin) == ("p", Reason.AFFINITY_HIT, PinAction.TOUCH)
+    # Twice that queue (8.3 s at home against 2.3 s + 4.98 s): a spill, the pin kept.
+    d = policy().select([cand("p", prefilling=8000), cand("x")], r, NOW)
+    assert (d.backend, d.reason, d.pin) == ("x", Reason.SPILL_OVERLOAD, PinAction.NONE)
+
+
 def test_many_active_conversations_without_a_queue_now_do_not_move_the_pin() -> None:
     # This turn is fastest at home; the load term places new conversations, it moves no pin.
     d = policy().select([cand("p", active=20), cand("x")], req(pinned="p"), NOW)
