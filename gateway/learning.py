@@ -227,6 +227,7 @@ class RoutingFeedback:
             return
         lease.prefill(uncached_tokens)
         info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
+        info.sent_at = self.clock()
         backend, key = lease.backend.id, ctx.route_key  # ``ctx.affinity_key`` inline (a property)
         if key is None:
             key = ctx.key
@@ -275,11 +276,17 @@ class RoutingFeedback:
             ttft = obs.first_byte_s
             if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
                 self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
-        if obs.first_byte_s is not None and usage is not None:
-            # Only answers that report usage teach speed: anything else (a passthrough GET, a stream
-            # without include_usage) may not have prefilled what was estimated.
-            queued = info.queued_tokens
-            self.speeds.prefill(obs.backend, uncached + queued, obs.first_byte_s, now, queued > 0)
+        fb = obs.first_byte_s
+        if fb is not None and usage is not None and obs.streamed:
+            # Only streams that report usage teach speed: anything else (a passthrough GET, a stream
+            # without include_usage) may not have prefilled what was estimated, and a whole JSON answer's
+            # first byte comes after its decode. The span from sending to the first byte, on this clock
+            # (the request started ``duration_s`` ago).
+            end = now - obs.duration_s + fb
+            start = info.sent_at
+            if start < 0 or start > end:  # not sent through ``sent`` (or another clock): from its start
+                start = end - fb
+            self.speeds.prefill_span(obs.backend, uncached, start, end, now)
         next_key = obs.key
         if not info.first_turn:
             e = self.turn_tokens

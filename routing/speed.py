@@ -6,10 +6,15 @@ fleet's reference rate per unit of weight) keeps a backend with few samples near
 
     rate = (tokens + prior_tokens) / (seconds + prior_tokens / prior_rate)
 
-Prefill samples are the uncached prompt tokens plus the tokens queued ahead of the request, over its time
-to first token: the same quantity the cost model divides by the rate (``routing.cost``). The queue ahead is
-an estimate, so a backend's queue-free samples are preferred (``prefill``'s ``queued``). Pure: ``now`` is
-passed in; reading a rate is a dict lookup. With ``refresh_s`` = 0 rates are recomputed on every sample.
+Prefill samples (``prefill_span``) are a request's uncached prompt tokens, as the engine reported them, over
+the engine's *busy time* it adds: the part of the span from sending the request to its first byte that no
+other request's span on that backend already covers (``BusyTime``). The spans' union is the time the engine
+had prefill of this gateway's work waiting or running, so the sums are tokens prefilled over time spent
+prefilling, whatever the order requests were sent, answered and finished in; nothing in them is an estimate.
+(A request's own span, its queue ahead counted as the gateway's estimate, counted a request ahead that was
+half prefilled whole and the 4.0 characters-per-token prior's tokens: four identical simulated engines were
+learned ~20 % apart, the same ones fast in every round.) Pure: ``now`` is passed in; reading a rate is a
+dict lookup. With ``refresh_s`` = 0 rates are recomputed on every sample.
 Otherwise samples are only summed, and ``refresh(now)`` recomputes them at most once per ``refresh_s``
 (the prefill rates: the decode ones, which no decision reads, are computed when ``decode_tps`` is read):
 with a half-life of seconds, the samples of a fraction of a second move no rate that a decision could tell
@@ -20,6 +25,7 @@ request. ``refresh`` says whether it did, so a reader copies the rates only when
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +33,8 @@ from routing.params import DEFAULT_PREFILL_TPS
 
 DEFAULT_DECODE_TPS = 50.0
 _MIN_SECONDS = 1e-3
+#: Spans kept per backend (``BusyTime``): a span older than the oldest kept counts as covered.
+_MAX_SPANS = 256
 
 
 @dataclass(slots=True)
@@ -48,6 +56,58 @@ class DecayedSums:
         self.at = now
 
 
+class BusyTime:
+    """The union of one backend's spans (send to first byte), merged, so that each new span yields the time
+    it adds to the union: the time that engine had this gateway's prefill waiting or running and no other
+    request accounts for. Spans arrive in the order requests finish, not the order they were sent."""
+
+    __slots__ = ("ends", "floor", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []  # disjoint spans, sorted
+        self.ends: list[float] = []
+        self.floor = -math.inf  # before this, time counts as covered (spans dropped to bound memory)
+
+    def add(self, start: float, end: float) -> float:
+        """Merge ``[start, end]`` in; the seconds it added to the union."""
+        if start < self.floor:
+            start = self.floor
+        if end <= start:
+            return 0.0
+        starts, ends = self.starts, self.ends
+        if not starts or start > ends[-1]:  # after every span: an engine that was idle in between
+            starts.append(start)
+            ends.append(end)
+            if len(starts) > _MAX_SPANS:
+                self._drop_oldest()
+            return end - start
+        # The spans it overlaps or touches: from the last one starting at or before ``start`` (when it
+        # reaches ``start``) to the last one starting at or before ``end``.
+        i = bisect_right(starts, start) - 1
+        if i < 0 or ends[i] < start:
+            i += 1
+        j = bisect_right(starts, end)
+        added = end - start
+        for k in range(i, j):
+            overlap = min(ends[k], end) - max(starts[k], start)
+            if overlap > 0:
+                added -= overlap
+        if i < j:
+            start, end = min(start, starts[i]), max(end, ends[j - 1])
+        starts[i:j] = [start]
+        ends[i:j] = [end]
+        if len(starts) > _MAX_SPANS:
+            self._drop_oldest()
+        return added if added > 0 else 0.0
+
+    def _drop_oldest(self) -> None:
+        self.floor = self.ends[0]
+        del self.starts[0], self.ends[0]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
 class SpeedEstimator:
     def __init__(
         self,
@@ -66,7 +126,7 @@ class SpeedEstimator:
         self.weights = dict(weights)
         self._prefill: dict[str, DecayedSums] = {}
         self._decode: dict[str, DecayedSums] = {}
-        self._clean_at: dict[str, float] = {}  # backend -> its latest queue-free prefill sample
+        self._busy: dict[str, BusyTime] = {}  # backend -> the union of its requests' spans
         self.prefill_tps: dict[str, float] = {}  # backend -> current estimate (read on the hot path)
         self._recompute()
 
@@ -75,21 +135,29 @@ class SpeedEstimator:
         self.weights[backend] = weight
         self._recompute()
 
-    def prefill(self, backend: str, tokens: float, seconds: float, now: float, queued: bool = False) -> None:
-        """``queued``: part of ``tokens`` is the prefill the gateway estimated queued ahead of the request.
-        Such a sample is taken only when the backend had no queue-free one within a half-life: the estimate
-        is wrong where the engine evicts what it was thought to hold (its queue did more than estimated: the
-        engine looked slow, not small), and counts a request already half prefilled whole (the engine
-        looked fast). Measured on the pressure bench: two identical engines learned 3300 and 4900 tok/s."""
+    def prefill(self, backend: str, tokens: float, seconds: float, now: float) -> None:
+        """A sample of ``tokens`` prefilled in ``seconds`` (both > 0)."""
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:
-            if not queued:
-                self._clean_at[backend] = now
-            elif now - self._clean_at.get(backend, -math.inf) < self.half_life_s:
-                return
-            _sums(self._prefill, backend).add(tokens, seconds, now, self.half_life_s)
-            self._dirty = True  # ``_maybe_recompute`` inline: twice per request
-            if not self.refresh_s:
-                self.refresh(now)
+            self._add_prefill(backend, tokens, seconds, now)
+
+    def prefill_span(self, backend: str, tokens: float, start: float, end: float, now: float) -> None:
+        """A request of ``tokens`` uncached prompt tokens, sent at ``start``, first byte at ``end``: its
+        sample is the busy time its span adds to the backend's (``BusyTime``); none when it adds none (the
+        tokens count: a request that waited behind another was prefilled in the time that one's span
+        already holds). A request that prefilled nothing takes no span (its time, mostly the engine's fixed
+        overhead, would make the engines given more cached requests look slower)."""
+        if tokens < 1 or backend not in self.weights:
+            return
+        busy = self._busy.get(backend)
+        if busy is None:
+            busy = self._busy[backend] = BusyTime()
+        self._add_prefill(backend, tokens, busy.add(start, end), now)
+
+    def _add_prefill(self, backend: str, tokens: float, seconds: float, now: float) -> None:
+        _sums(self._prefill, backend).add(tokens, seconds, now, self.half_life_s)
+        self._dirty = True  # ``_maybe_recompute`` inline: twice per request
+        if not self.refresh_s:
+            self.refresh(now)
 
     def decode(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         if tokens >= 1 and seconds >= _MIN_SECONDS and backend in self.weights:

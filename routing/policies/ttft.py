@@ -10,21 +10,17 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
                                            (affinity_hit: touch the pin, or claim the hint)
   - home no busier than there in the long run (load term): its queue drains and it keeps the history:
     a one-off spill, the pin stays, if it still wins after paying the re-read of this turn's tail at
-    home on the next turn (the spilled turn is not cached there)        (spill_overload)
+    home on the next turn (the spilled turn is not cached there) and its prefill there once more (the
+    wait it adds to whatever arrives there next)                        (spill_overload)
     (unless its KV cache events say it evicted the history: then the pin moves, and without the margin)
   - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
     spilling every turn would pay it every turn                          (move_cheaper)
-    (between engines of alike learned rates, ``_ALIKE``, "busier" compares their loads in tokens)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
 - new                                   -> cheapest (load term included), claim        (new_cheapest)
   - several within ``_SPREAD_SHARE`` (5 %) of the cheapest: the one given a new conversation least
     recently (``Candidate.placed_at``), so conversations that start close together (agents starting in
     a burst, before any queue tells their engines apart) are spread across engines in turn instead of
     by each key's hash: sessions that start together, kept on one engine, tend to keep arriving together.
-  - an engine whose learned rate is within ``_ALIKE`` (1.35x) of the cheapest's is near when its work
-    (tokens) is within the margin at the cheapest's rate: rates that close are the estimate's noise
-    (identical engines were learned 3900 and 4800 tok/s apart), and by time alone the "faster" ones were
-    given 9 of 32 conversations of one head each, the others 7.
 
 Other ties go by the rendezvous tie-break, so every replica given the same snapshot decides the same.
 """
@@ -54,9 +50,6 @@ _MIN_MARGIN_S = 0.02
 #: count as equal: estimates of that size are not worth telling apart (a prompt's tokens are guessed from
 #: its characters, a queue's from the estimates of the requests in it).
 _SPREAD_SHARE = 0.05
-#: Learned prefill rates within this factor of each other tell no engine apart for a new conversation's
-#: placement: identical engines were learned 3900 and 4800 tok/s apart (queue-ahead estimates).
-_ALIKE = 1.35
 
 
 class TtftPolicy:
@@ -121,12 +114,17 @@ class TtftPolicy:
         margin = _MIN_MARGIN_S if lost else max(_MIN_MARGIN_S, self.stay_margin * stay_now)
         if there_now + margin >= stay_now:
             return self._decide(home, _HIT, keep, ready, request)
-        if not lost and _no_busier(stay, rate(home), there, rate(best)):
+        if stay.load_s <= there.load_s and not lost:
             # Home is no busier in the long run: its queue drains, and it still holds the history. A spill
             # leaves this turn out of home's cache, so the next turn there reads this tail again: the
             # spill pays it too. (Without it, twins spilled to a head holder for the few hundred tokens
-            # of their reply and came back cold: one-off spills the oracle never makes.)
-            if there_now + request.tail_tokens / rate(home) + margin >= stay_now:
+            # of their reply and came back cold: one-off spills the oracle never makes.) And it pays its
+            # prefill there twice: once in its own wait, once in the wait of whatever arrives there next
+            # (work that engine would not have had: home does this tail anyway, on the next turn). Without
+            # it, a follow-up among equally loaded identical engines spilled when home's queue was briefly
+            # four turns long, and came back cold on the turn after.
+            spill = there_now + there.prefill_s + request.tail_tokens / rate(home)
+            if spill + margin >= stay_now:
                 return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
             return self._decide(best, Reason.SPILL_OVERLOAD, PinAction.NONE, ready, request)
         # Busier for good: move once (the re-prefill is in the cost it won with) rather than spill every turn.
@@ -146,19 +144,15 @@ class TtftPolicy:
 
     def _new_home(self, ready: list[Candidate], request: RouteRequest) -> Candidate:
         """Among the backends within ``_SPREAD_SHARE`` of the cheapest (and ``_MIN_MARGIN_S``), the one
-        given a new conversation least recently; then the cheaper, then the rendezvous tie-break. A backend
-        whose learned rate is within ``_ALIKE`` of the cheapest's is judged on its work (tokens) at the
-        cheapest's rate: a difference that small is the estimate's, not the engines'."""
+        given a new conversation least recently; then the cheaper, then the rendezvous tie-break."""
         if len(ready) == 1:
             return ready[0]
         seed = key_seed(request.key)
         totals = [total_s(c, request, self.load_share) for c in ready]
         cheapest = min(totals)
         limit = cheapest + max(_MIN_MARGIN_S, _SPREAD_SHARE * cheapest)
-        fast = rate(ready[totals.index(cheapest)])
-        work = limit * fast  # the margin in tokens at the cheapest's rate
         near = [(c.placed_at, t, rendezvous(seed, c.id), c) for c, t in zip(ready, totals, strict=True)
-                if t <= limit or (_alike(rate(c), fast) and t * rate(c) <= work)]  # fmt: skip
+                if t <= limit]  # fmt: skip
         return min(near, key=lambda n: n[:3])[3]
 
     def _decide(
@@ -167,20 +161,6 @@ class TtftPolicy:
         uncached = uncached_tokens(chosen, request)
         costs = self.costs(ready, request) if request.explain else ()
         return Decision(chosen.id, reason, pin, uncached, costs)
-
-
-def _alike(a: float, b: float) -> bool:
-    """Two learned prefill rates too close to tell the engines apart (``_ALIKE``)."""
-    return a * _ALIKE >= b and b * _ALIKE >= a
-
-
-def _no_busier(stay: Cost, home_rate: float, there: Cost, there_rate: float) -> bool:
-    """Home is no busier in the long run than there: its load term is no larger; between engines of alike
-    rates (``_alike``), its load in tokens (a rate difference that small would call a home with as many
-    conversations busier for good, and move a follow-up the oracle keeps home)."""
-    if _alike(home_rate, there_rate):
-        return stay.load_s * home_rate <= there.load_s * there_rate
-    return stay.load_s <= there.load_s
 
 
 def _placed(request: RouteRequest) -> PinAction:

@@ -137,14 +137,32 @@ def test_observations_teach_prefill_and_decode_rates_and_the_turn_size() -> None
     clock = iter(range(100, 200))
     feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: float(next(clock)))
     for _ in range(20):
-        feedback.observe(observation(feedback))  # (2000 uncached + 1000 queued) tokens in 1 s: 3000 tok/s
+        feedback.observe(observation(feedback))  # 2000 uncached tokens in 1 s (the queue ahead is no sample)
     a, b = proxy.registry.backends["a"], proxy.registry.backends["b"]
-    assert 3000 <= a.prefill_tps < 3100
+    assert a.prefill_tps == pytest.approx(2000.0)
     assert b.prefill_tps == a.prefill_tps  # never measured: the fleet's rate per weight
     assert feedback.speeds.decode_tps["a"] == pytest.approx(20.0, rel=0.1)  # 40 tokens after the first in 2 s
     # From 600 towards the 2000 uncached tokens of each follow-up, 5 % a sample.
     assert feedback.turn_tokens.value == pytest.approx(2000 - 1400 * 0.95**20)
     assert feedback.chars_per_token.value == pytest.approx(4.0)
+
+
+def test_a_request_that_waited_behind_another_adds_only_the_engines_busy_time() -> None:
+    # Two requests sent to "a" at 10 and 10.5; the engine prefilled 4000 tokens for the first (first byte at
+    # 11) then 2000 for the second (first byte at 11.5). Both finish at 14, the second observed first.
+    proxy = make_proxy(FakeTransport())
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: 14.0)
+    second = observation(feedback, duration_s=3.5, first_byte_s=1.0, usage=Usage(10_000, 41, 8000))
+    assert second.route is not None
+    second.route.sent_at = 10.5
+    feedback.observe(second)
+    first = observation(feedback, duration_s=4.0, first_byte_s=1.0, usage=Usage(10_000, 41, 6000))
+    assert first.route is not None
+    first.route.sent_at = 10.0
+    feedback.observe(first)
+    # 6000 tokens in the 1.5 s the engine was busy: 4000 tok/s (each span alone said 2000 and 4000).
+    assert feedback.speeds.refresh(now=15.0)
+    assert feedback.speeds.prefill_tps["a"] == pytest.approx(4000.0)
 
 
 def test_failed_requests_and_answers_without_usage_teach_no_speed() -> None:

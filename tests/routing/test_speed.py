@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from routing.params import DEFAULT_PREFILL_TPS
-from routing.speed import Ewma, SpeedEstimator
+from routing.speed import _MAX_SPANS, BusyTime, Ewma, SpeedEstimator
 
 
 def test_before_any_sample_the_rate_is_the_weight_times_the_default() -> None:
@@ -98,15 +98,63 @@ def test_without_refresh_s_every_sample_recomputes() -> None:
     assert s.refresh(now=0.0) is False  # already current
 
 
-def test_a_sample_with_a_queue_ahead_counts_only_without_a_recent_queue_free_one() -> None:
-    s = SpeedEstimator({"a": 1.0, "b": 1.0}, half_life_s=10.0, prior_tokens=1000.0)
-    s.prefill("a", 4000, 1.0, now=0.0)  # nothing ahead: 4000 tok/s
-    clean = s.prefill_tps["a"]
-    # Its queue ahead was estimated at 3000 tokens, but the engine did more (it had evicted them): skipped.
-    s.prefill("a", 4000, 2.0, now=5.0, queued=True)
-    assert s.prefill_tps["a"] == clean
-    # A half-life without a queue-free sample: the queued ones are all there is, and they count.
-    s.prefill("a", 4000, 2.0, now=10.0, queued=True)
-    assert s.prefill_tps["a"] < clean
-    s.prefill("b", 4000, 2.0, now=0.0, queued=True)  # never a queue-free one: counted
-    assert s.prefill_tps["b"] < DEFAULT_PREFILL_TPS
+def test_busy_time_yields_what_each_span_adds_to_the_union_in_any_order() -> None:
+    busy = BusyTime()
+    assert busy.add(0.0, 1.0) == pytest.approx(1.0)
+    assert busy.add(2.0, 3.0) == pytest.approx(1.0)  # after an idle gap: all of it
+    assert busy.add(0.5, 2.5) == pytest.approx(1.0)  # bridges the two: only the gap is new
+    assert busy.add(0.2, 2.8) == 0.0  # within the union
+    assert (busy.starts, busy.ends) == ([0.0], [3.0])
+    assert busy.add(-1.0, 4.0) == pytest.approx(2.0)  # around it: both ends
+    assert busy.add(5.0, 5.0) == 0.0 and len(busy) == 1
+
+
+def test_busy_time_of_spans_finishing_out_of_order_is_their_union() -> None:
+    # Sent at 0, 0.1, 0.2 to a serial engine that takes 1 s each: first bytes at 1, 2, 3; the later ones
+    # finish (and are observed) first, a long answer last.
+    spans = [(0.2, 3.0), (0.1, 2.0), (0.0, 1.0), (5.0, 6.0), (4.0, 5.5)]
+    busy = BusyTime()
+    assert sum(busy.add(*span) for span in spans) == pytest.approx(3.0 + 2.0)
+    assert (busy.starts, busy.ends) == ([0.0, 4.0], [3.0, 6.0])
+
+
+def test_busy_time_keeps_a_bounded_number_of_spans() -> None:
+    busy = BusyTime()
+    for i in range(_MAX_SPANS + 10):
+        busy.add(2.0 * i, 2.0 * i + 1)
+    assert len(busy) == _MAX_SPANS
+    assert busy.add(0.0, 19.5) == pytest.approx(0.5)  # before the oldest kept span counts as covered
+
+
+def _serial_engine(sends: list[tuple[float, int]], tps: float) -> list[tuple[int, float, float]]:
+    """A serial prefill engine at ``tps``: each (send time, uncached tokens) -> (tokens, sent, first byte)."""
+    free, out = 0.0, []
+    for sent, tokens in sends:
+        free = max(free, sent) + tokens / tps
+        out.append((tokens, sent, free))
+    return out
+
+
+def test_identical_engines_are_learned_alike_whatever_queue_each_saw() -> None:
+    # "a" gets requests one at a time; "b" the same work in bursts of 4, the queued ones observed first
+    # (shorter answers) and one of them a request that found its head cached behind the first.
+    s = SpeedEstimator({"a": 1.0, "b": 1.0}, half_life_s=15.0)
+    for burst in range(5):
+        t = 10.0 * burst
+        alone = _serial_engine([(t + 2.0 * i, 3000) for i in range(4)], 4000.0)
+        queued = _serial_engine([(t + 0.05 * i, 3000 if i != 1 else 16) for i in range(4)], 4000.0)
+        for tokens, sent, first in alone:
+            s.prefill_span("a", tokens, sent, first, now=first + 0.5)
+        for tokens, sent, first in reversed(queued):
+            s.prefill_span("b", tokens, sent, first, now=queued[-1][2] + 0.5)
+    assert s.prefill_tps["a"] == pytest.approx(4000.0, rel=1e-6)
+    assert s.prefill_tps["b"] == pytest.approx(4000.0, rel=1e-6)
+
+
+def test_a_span_that_prefilled_nothing_is_no_sample() -> None:
+    s = SpeedEstimator({"a": 1.0}, prior_tokens=1000.0)
+    s.prefill_span("a", 0, 0.0, 0.5, now=1.0)  # all cached: the engine's fixed overhead only
+    s.prefill_span("zz", 100, 0.0, 0.5, now=1.0)
+    assert s.prefill_tps == {"a": DEFAULT_PREFILL_TPS}
+    s.prefill_span("a", 1000, 0.2, 0.45, now=1.0)  # the span it would have covered is still free: counted
+    assert s.prefill_tps["a"] == pytest.approx(2000 / (0.25 + 1000 / 4000))
