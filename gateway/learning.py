@@ -141,18 +141,11 @@ class RoutingFeedback:
             hint = self.replies.get(key, self.clock()) or self.holders.latest(head_key)
         info.home = home = pinned or hint
         kv_held = () if self.kv is None else self._kv_held(key, head_key, home)
-        return RouteRequest(
-            key,
-            pinned,
-            exclude,
-            prompt_tokens=int(info.prompt_chars / cpt),
-            head_tokens=int(info.head_chars / cpt),
-            tail_tokens=int(info.tail_chars / cpt),
-            turn_tokens=int(self.turn_tokens.value),
-            holders=holders,
-            hint=hint,
-            kv_held=kv_held,
-        )
+        # Positional (once per request: keywords cost their matching): key, pinned, exclude, the prompt's,
+        # head's and tail's tokens, a turn's, holders, hint, kv_held.
+        prompt, head = int(info.prompt_chars / cpt), int(info.head_chars / cpt)
+        tail, turn = int(info.tail_chars / cpt), int(self.turn_tokens.value)
+        return RouteRequest(key, pinned, exclude, prompt, head, tail, turn, holders, hint, kv_held)
 
     def _kv_held(self, key: str, head_key: str, home: str | None) -> tuple[tuple[str, int], ...]:
         """What each event-publishing engine holds: of this conversation, else (not its home) of its head.
