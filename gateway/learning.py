@@ -233,8 +233,10 @@ class RoutingFeedback:
         active = self.active
         expires = active.take(key)
         if expires is not None and not info.first_turn:
-            # Its last turn ended at most this long ago (its generation's latest use).
-            self.pause_s.add(max(0.0, self.clock() - (expires - active.ttl_s)))
+            # Its last turn ended at most this long ago (its generation's latest use). ``Ewma.add`` and
+            # ``max(0.0, pause)`` inline (once per follow-up): the same arithmetic.
+            pause, e = self.clock() - (expires - active.ttl_s), self.pause_s
+            e.value += e.alpha * ((pause if pause > 0.0 else 0.0) - e.value)
         self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------
