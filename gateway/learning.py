@@ -141,18 +141,11 @@ class RoutingFeedback:
             hint = self.replies.get(key, self.clock()) or self.holders.latest(head_key)
         info.home = home = pinned or hint
         kv_held = () if self.kv is None else self._kv_held(key, head_key, home)
-        return RouteRequest(
-            key,
-            pinned,
-            exclude,
-            prompt_tokens=int(info.prompt_chars / cpt),
-            head_tokens=int(info.head_chars / cpt),
-            tail_tokens=int(info.tail_chars / cpt),
-            turn_tokens=int(self.turn_tokens.value),
-            holders=holders,
-            hint=hint,
-            kv_held=kv_held,
-        )
+        # Positional (once per request: keywords cost their matching): key, pinned, exclude, the prompt's,
+        # head's and tail's tokens, a turn's, holders, hint, kv_held.
+        prompt, head = int(info.prompt_chars / cpt), int(info.head_chars / cpt)
+        tail, turn = int(info.tail_chars / cpt), int(self.turn_tokens.value)
+        return RouteRequest(key, pinned, exclude, prompt, head, tail, turn, holders, hint, kv_held)
 
     def _kv_held(self, key: str, head_key: str, home: str | None) -> tuple[tuple[str, int], ...]:
         """What each event-publishing engine holds: of this conversation, else (not its home) of its head.
@@ -241,8 +234,10 @@ class RoutingFeedback:
         active = self.active
         expires = active.take(key)
         if expires is not None and not info.first_turn:
-            # Its last turn ended at most this long ago (its generation's latest use).
-            self.pause_s.add(max(0.0, self.clock() - (expires - active.ttl_s)))
+            # Its last turn ended at most this long ago (its generation's latest use). ``Ewma.add`` and
+            # ``max(0.0, pause)`` inline (once per follow-up): the same arithmetic.
+            pause, e = self.clock() - (expires - active.ttl_s), self.pause_s
+            e.value += e.alpha * ((pause if pause > 0.0 else 0.0) - e.value)
         self.holders.add(info.head_key, backend, info.first_turn)
 
     # -- in finish: the Observer ----------------------------------------------------------------------

@@ -93,7 +93,11 @@ class Candidate(NamedTuple):
         return (self.conversations + self.in_flight) / self.weight
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (nor ``Decision``): one of each is built per routed request, and a frozen dataclass's
+# ``__init__`` costs one ``object.__setattr__`` call per field (~1.2k instructions each: this one's 11
+# fields cost more than the rest of the affinity policy's decision). Policies and the gateway treat both as
+# read-only values (``dataclasses.replace`` makes a changed copy).
+@dataclass(slots=True)
 class RouteRequest:
     """What a policy may know about the request (a parameter object, so signatures stay put)."""
 
@@ -137,7 +141,7 @@ class Cost(NamedTuple):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: see ``RouteRequest``
 class Decision:
     backend: str | None
     reason: Reason
