@@ -219,7 +219,7 @@ class RoutingFeedback:
         if info is None or not info.teaches:
             return
         lease.prefill(uncached_tokens)
-        info.uncached_tokens, info.queued_tokens = uncached_tokens, lease.queued_tokens
+        info.uncached_tokens = uncached_tokens
         info.sent_at = self.clock()
         backend, key = lease.backend.id, ctx.route_key  # ``ctx.affinity_key`` inline (a property)
         if key is None:

@@ -49,7 +49,6 @@ class RouteInfo:
     head_chars: int
     tail_chars: int = 0  # after the last assistant message (the whole prompt on turn 1)
     uncached_tokens: int = 0  # the estimate for the backend the request went to
-    queued_tokens: int = 0  # prefill estimated ahead of it there when it was sent
     sent_at: float = -1.0  # when it was sent there (the feedback's clock; -1: not sent through it)
     kv_mark: int = -1  # its engine's KV event mark when it was sent (-1: the engine publishes no events)
     kv_estimate: int = -1  # cached tokens the KV index said that engine held (-1: it had no answer)

@@ -121,9 +121,7 @@ async def test_the_prefill_ledger_is_empty_once_requests_are_done() -> None:
 
 
 def observation(feedback: RoutingFeedback, **kw: Any) -> Observation:
-    info = RouteInfo(
-        "head", kw.pop("first_turn", False), 40_000, 8000, uncached_tokens=5000, queued_tokens=1000
-    )
+    info = RouteInfo("head", kw.pop("first_turn", False), 40_000, 8000, uncached_tokens=5000)
     fields: dict[str, Any] = dict(backend="a", model="m", key="k", reason=Reason.NEW_CHEAPEST,
                                   outcome=RequestOutcome.OK, status=200, streamed=True, duration_s=3.0,
                                   first_byte_s=1.0, events=40, body_bytes=4000,
@@ -137,7 +135,7 @@ def test_observations_teach_prefill_and_decode_rates_and_the_turn_size() -> None
     clock = iter(range(100, 200))
     feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: float(next(clock)))
     for _ in range(20):
-        feedback.observe(observation(feedback))  # 2000 uncached tokens in 1 s (the queue ahead is no sample)
+        feedback.observe(observation(feedback))  # 2000 uncached tokens in 1 s
     a, b = proxy.registry.backends["a"], proxy.registry.backends["b"]
     assert a.prefill_tps == pytest.approx(2000.0)
     assert b.prefill_tps == a.prefill_tps  # never measured: the fleet's rate per weight
