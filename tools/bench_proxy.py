@@ -50,7 +50,18 @@ from typing import Any
 import httpx
 
 from tools.bench_memory import GcPauses, conversation_body, rss_bytes
-from tools.bench_proxy_report import NEW_REASONS, PathResult, Run, medians, path_lines, table, targets
+from tools.bench_proxy_report import (
+    NEW_REASONS,
+    PathResult,
+    Run,
+    TogetherResult,
+    medians,
+    path_lines,
+    table,
+    targets,
+    together_lines,
+    together_summary,
+)
 from tools.bench_report import percentile
 from tools.procs import checkout_env, checkouts, child, free_port, python, wait_http
 
@@ -244,23 +255,41 @@ class Scripts:
         (self.folder / "bench.lua").write_text(_LUA)
         (self.folder / "template.json").write_text(template())
 
-    def wrk(self, url: str, path: str, connections: int, seconds: float) -> Run:
+    def command(self, url: str, path: str, connections: int, seconds: float) -> list[str]:
+        """The wrk command line of one run (a fresh run tag each call)."""
         self.runs += 1
         script, body = self.folder / "bench.lua", self.folder / "template.json"
         args = [f"{self.runs % 10_000:04d}", path, str(body), HIT_TOKEN]
         duration = f"-d{max(1, round(seconds))}s"
-        cmd = ["wrk", "-t1", f"-c{connections}", duration, "-s", str(script), url, "--", *args]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        m = re.search(r"^BENCH (.*)$", out, re.M)
-        assert m, out
-        v = {k: float(x) for k, x in (kv.split("=") for kv in m.group(1).split())}
-        if v["status"]:
-            raise RuntimeError(f"wrk saw {v['status']:.0f} non-2xx responses:\n{out}")
-        errors = int(v["connect"] + v["read"] + v["write"] + v["timeout"])
-        ms = {k: v[f"{k}_us"] / 1e3 for k in ("p50", "p99", "p999", "max")}
-        return Run(
-            int(v["requests"]), v["duration_us"] / 1e6, ms["p50"], ms["p99"], ms["p999"], ms["max"], errors
-        )
+        return ["wrk", "-t1", f"-c{connections}", duration, "-s", str(script), url, "--", *args]
+
+    def wrk(self, url: str, path: str, connections: int, seconds: float) -> Run:
+        cmd = self.command(url, path, connections, seconds)
+        return wrk_run(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+    def wrk_together(self, urls: list[str], path: str, connections: int, seconds: float) -> list[Run]:
+        """One wrk per URL, all started at once (in the order given), each at the same settings."""
+        cmds = [self.command(url, path, connections, seconds) for url in urls]
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+        outs = [p.communicate() for p in procs]
+        for p, (out, err) in zip(procs, outs, strict=True):
+            if p.returncode:
+                raise RuntimeError(f"wrk exited with {p.returncode}:\n{out}{err}")
+        return [wrk_run(out) for out, _ in outs]
+
+
+def wrk_run(out: str) -> Run:
+    """The Lua script's done() line as a Run (a RuntimeError for non-2xx answers)."""
+    m = re.search(r"^BENCH (.*)$", out, re.M)
+    assert m, out
+    v = {k: float(x) for k, x in (kv.split("=") for kv in m.group(1).split())}
+    if v["status"]:
+        raise RuntimeError(f"wrk saw {v['status']:.0f} non-2xx responses:\n{out}")
+    errors = int(v["connect"] + v["read"] + v["write"] + v["timeout"])
+    ms = {k: v[f"{k}_us"] / 1e3 for k in ("p50", "p99", "p999", "max")}
+    return Run(
+        int(v["requests"]), v["duration_us"] / 1e6, ms["p50"], ms["p99"], ms["p999"], ms["max"], errors
+    )
 
 
 def python_sequential(url: str, path: str, seconds: float) -> Run:
@@ -328,6 +357,51 @@ class Bench:
             result.rss_after_bytes, result.entries_after = gw.rss_bytes(), gw.entries()
         return results
 
+    def together(self, path: str) -> TogetherResult:
+        """Every gateway loaded at the same time, each by its own wrk at the same settings, for ``rounds``
+        rounds: each round's CPU per request of one gateway over another's compares two gateways that saw
+        the same seconds of the machine. The wrk started first rotates from round to round."""
+        assert self.scripts is not None, "--simultaneous needs wrk"
+        names = list(self.gateways)
+        result = TogetherResult(path, runs={name: [] for name in names})
+        before = {name: gw.decisions() for name, (_, gw) in self.gateways.items()}
+        for k in range(self.rounds):
+            order = names[k % len(names) :] + names[: k % len(names)]
+            cpu0 = {name: gw.cpu_seconds() for name, (_, gw) in self.gateways.items()}
+            stat0 = proc_stat()
+            urls = [self.gateways[name][0] for name in order]
+            runs = self.scripts.wrk_together(urls, path, self.concurrency, self.seconds)
+            result.machine.append(shares(stat0, proc_stat()))
+            for name, run in zip(order, runs, strict=True):
+                run.cpu_us_per_request = (
+                    (self.gateways[name][1].cpu_seconds() - cpu0[name]) / run.requests * 1e6
+                )
+                result.runs[name].append(run)
+            result.first.append(order[0])
+        for name, (_, gw) in self.gateways.items():
+            after, was = gw.decisions(), before[name]
+            result.decisions[name] = {k: v - was.get(k, 0.0) for k, v in after.items() if v > was.get(k, 0.0)}
+        return result
+
+
+#: /proc/stat's cpu line, in order (the kernel's names).
+_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def proc_stat() -> dict[str, int]:
+    """The whole machine's CPU time so far, in ticks, per /proc/stat field."""
+    line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    assert line[0] == "cpu", line
+    return dict(zip(_STAT_FIELDS, map(int, line[1 : 1 + len(_STAT_FIELDS)]), strict=True))
+
+
+def shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """What the machine did between two ``proc_stat`` readings: the share of all its CPU time that was
+    user, nice (other work at a lower priority), system, idle and steal (the hypervisor's)."""
+    delta = {k: after[k] - before[k] for k in before}
+    total = sum(delta.values()) or 1
+    return {k: delta[k] / total for k in ("user", "nice", "system", "idle", "steal")}
+
 
 _DESCRIPTIONS = {
     "hit": "one conversation: every request an affinity hit",
@@ -370,9 +444,18 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_proxy", description=__doc__.splitlines()[0])
     ap.add_argument("--paths", default="hit,new", help=f"comma-separated, in order, from {','.join(PATHS)}")
-    ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
+    ap.add_argument(
+        "--seconds", type=float, help="per run (wrk rounds to whole seconds); 5, or 2 with --simultaneous"
+    )
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="3, or 20 with --simultaneous")
+    ap.add_argument(
+        "--simultaneous",
+        action="store_true",
+        help="CPU per request only: every gateway (2 or more: --trees and/or --policy) loaded at the same "
+        "time by its own wrk, --rounds short rounds; per round each gateway's CPU per request over the first "
+        "one's, reported as the median of those ratios with their quartiles",
+    )
     ap.add_argument(
         "--policy",
         default="ttft",
@@ -395,8 +478,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not args.policies or len(set(args.policies)) != len(args.policies):
         ap.error(f"--policy: distinct names (got {args.policy!r})")
-    if trees:
+    if trees or args.simultaneous:
         args.gc_probe = False
+    if args.rounds is None:
+        args.rounds = 20 if args.simultaneous else 3
+    if args.seconds is None:
+        args.seconds = 2.0 if args.simultaneous else 5.0
+    if args.simultaneous and max(1, len(trees)) * len(args.policies) < 2:
+        ap.error("--simultaneous compares gateways: name 2 or more (--trees and/or --policy)")
+    if args.simultaneous and shutil.which("wrk") is None:
+        ap.error("--simultaneous needs wrk")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not args.paths or set(args.paths) - set(PATHS) or len(set(args.paths)) != len(args.paths):
         ap.error(f"--paths: distinct names from {', '.join(PATHS)} (got {args.paths})")
@@ -445,22 +536,32 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"request body: {min(sizes)} bytes on every path; {args.rounds} rounds of {args.seconds:g} s a run;"
     )
-    print("direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy.")
+    if args.simultaneous:
+        print(
+            f"--simultaneous: every gateway loaded at once, its own wrk at {args.concurrency} connections; "
+            "per round CPU per request over the first gateway's"
+        )
+    else:
+        print(
+            "direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy."
+        )
     rss_start = {name: gw.rss_bytes() for name, (_, gw) in bench.gateways.items()}
     if bench.scripts is not None:
         for url, _ in bench.gateways.values():
             bench.scripts.wrk(url, "hit", 4, min(2.0, args.seconds))  # warm pools and code paths
+    doc: dict[str, Any] = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trees"},
+        "wrk": bench.scripts is not None,
+        "body_bytes": min(sizes),
+    }
+    if args.simultaneous:
+        return {**doc, **_together(bench, args)}
     results: dict[str, list[PathResult]] = {name: [] for name in names}
     for path in args.paths:
         print(f"\n[{path}] {_DESCRIPTIONS[path]}")
         for name, result in bench.path(path).items():
             results[name].append(result)
             print((f"  ({name})\n" if multi else "") + path_lines(result, args.concurrency))
-    doc: dict[str, Any] = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trees"},
-        "wrk": bench.scripts is not None,
-        "body_bytes": min(sizes),
-    }
     docs: dict[str, Any] = {}
     for name in names:
         print(
@@ -481,6 +582,23 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     doc["gateways"] = docs
     print("\n" + _compare(results, args.concurrency))
     return doc
+
+
+def _together(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """``--simultaneous``: per path the runs of every gateway, round by round, and the ratio summary."""
+    names = list(bench.gateways)
+    base = names[0]
+    print(f"ratios: CPU per request over {base}'s in the same round; median of {args.rounds} rounds, IQR")
+    paths: dict[str, Any] = {}
+    for path in args.paths:
+        print(f"\n[{path}] {_DESCRIPTIONS[path]}")
+        result = bench.together(path)
+        print(together_lines(result, base))
+        paths[path] = {**asdict(result), "summary": together_summary(result, base)}
+    out: dict[str, Any] = {"simultaneous": {"base": base, "paths": paths}}
+    if args.trees:
+        out["trees"] = {name: str(path) for name, path in args.trees.items()}
+    return out
 
 
 def _compare(results: dict[str, list[PathResult]], connections: int) -> str:
