@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     if not have_wrk:
         print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
     up_port = free_port()
+    pinned = args.pinned = _pin_plan(args.pin)
+    if pinned is not None:  # every child inherits the rest; the gateways move to their CPU once started
+        os.sched_setaffinity(0, pinned[1])
     tmp_dir = tempfile.TemporaryDirectory(prefix="bench-proxy-", ignore_cleanup_errors=True)
     with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateways before upstream
         up = children.enter_context(child(upstream_argv(up_port)))
@@ -429,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             env = None if tree is None else checkout_env(tree)
             gw_proc = children.enter_context(child(_gateway_argv(config, gc_file), env=env, cwd=tree))
             wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
+            if pinned is not None:
+                pin(gw_proc.pid, pinned[0])
             gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
             gateways[name] = (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw)
         direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
@@ -469,6 +474,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="NAME=PATH,...: one gateway per checkout (its code first on PYTHONPATH, this venv), interleaved "
         "in every round; no GC probe (it imports this checkout's tools)",
     )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="every gateway on one CPU (this machine's last), the upstream, wrk and this process on the "
+        "others: with --simultaneous the gateways share one CPU's speed, which moves on a shared VM",
+    )
     args = ap.parse_args(argv)
     try:
         trees = checkouts([t for t in args.trees.split(",") if t.strip()])
@@ -486,6 +497,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.seconds = 2.0 if args.simultaneous else 5.0
     if args.simultaneous and max(1, len(trees)) * len(args.policies) < 2:
         ap.error("--simultaneous compares gateways: name 2 or more (--trees and/or --policy)")
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pin needs 2 or more CPUs")
     if args.simultaneous and shutil.which("wrk") is None:
         ap.error("--simultaneous needs wrk")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -505,6 +518,21 @@ def _gateways(trees: dict[str, Path], policies: list[str]) -> list[tuple[str, Pa
             parts = [part for part in (tree_name, policy if len(policies) > 1 else "") if part]
             out.append((":".join(parts) or "gateway", tree, policy))
     return out
+
+
+def _pin_plan(wanted: bool) -> tuple[set[int], set[int]] | None:
+    """``--pin``: (the gateways' CPU, everything else's CPUs) from the CPUs this process may use."""
+    if not wanted:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
@@ -545,12 +573,19 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         print(
             "direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy."
         )
+    if args.pinned is not None:
+        gw_cpus, rest = args.pinned
+        print(f"--pin: every gateway on CPU {sorted(gw_cpus)}, upstream and wrk on CPU {sorted(rest)}")
     rss_start = {name: gw.rss_bytes() for name, (_, gw) in bench.gateways.items()}
     if bench.scripts is not None:
         for url, _ in bench.gateways.values():
             bench.scripts.wrk(url, "hit", 4, min(2.0, args.seconds))  # warm pools and code paths
     doc: dict[str, Any] = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trees"},
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("trees", "pinned")
+        },
         "wrk": bench.scripts is not None,
         "body_bytes": min(sizes),
     }
