@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         up = children.enter_context(child(upstream_argv(up_port)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
         gateways: dict[str, tuple[str, Gateway]] = {}
-        for name, tree, policy in _gateways(args.trees, args.policies):
+        for name, tree, policy in args.specs:
             gw_port = free_port()
             config = Path(tmp, f"gw-{len(gateways)}.yaml")
             config.write_text(json.dumps(_gateway_config(gw_port, up_port, policy)))
@@ -480,6 +480,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="every gateway on one CPU (this machine's last), the upstream, wrk and this process on the "
         "others: with --simultaneous the gateways share one CPU's speed, which moves on a shared VM",
     )
+    ap.add_argument(
+        "--gateways",
+        default="",
+        help="NAME=PATH:POLICY,...: exactly these gateways (instead of --trees x --policy); a checkout may "
+        "appear twice under two names (an A/A pair in the same run)",
+    )
     args = ap.parse_args(argv)
     try:
         trees = checkouts([t for t in args.trees.split(",") if t.strip()])
@@ -489,14 +495,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not args.policies or len(set(args.policies)) != len(args.policies):
         ap.error(f"--policy: distinct names (got {args.policy!r})")
+    args.specs = _gateways(trees, args.policies)
+    if args.gateways.strip():
+        if trees:
+            ap.error("--gateways replaces --trees: name one of them")
+        try:
+            args.specs = _named_gateways(args.gateways)
+        except ValueError as err:
+            ap.error(f"--gateways {err}")
+        trees = args.trees = {name: tree for name, tree, _ in args.specs if tree is not None}
+        args.policies = sorted({policy for _, _, policy in args.specs})
     if trees or args.simultaneous:
         args.gc_probe = False
     if args.rounds is None:
         args.rounds = 20 if args.simultaneous else 3
     if args.seconds is None:
         args.seconds = 2.0 if args.simultaneous else 5.0
-    if args.simultaneous and max(1, len(trees)) * len(args.policies) < 2:
-        ap.error("--simultaneous compares gateways: name 2 or more (--trees and/or --policy)")
+    if args.simultaneous and len(args.specs) < 2:
+        ap.error("--simultaneous compares gateways: name 2 or more (--trees, --policy or --gateways)")
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         ap.error("--pin needs 2 or more CPUs")
     if args.simultaneous and shutil.which("wrk") is None:
@@ -517,6 +533,21 @@ def _gateways(trees: dict[str, Path], policies: list[str]) -> list[tuple[str, Pa
         for policy in policies:
             parts = [part for part in (tree_name, policy if len(policies) > 1 else "") if part]
             out.append((":".join(parts) or "gateway", tree, policy))
+    return out
+
+
+def _named_gateways(spec: str) -> list[tuple[str, Path | None, str]]:
+    """``NAME=PATH:POLICY,...`` as (name, checkout, policy); ValueError for a malformed one."""
+    out: list[tuple[str, Path | None, str]] = []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        where, sep, policy = item.rpartition(":")
+        if not sep or not policy:
+            raise ValueError(f"expects NAME=PATH:POLICY items, got {item!r}")
+        tree = checkouts([where])  # NAME=PATH, checked like --trees
+        ((name, path),) = tree.items()
+        if name in {n for n, _, _ in out}:
+            raise ValueError(f"repeats the name {name!r}")
+        out.append((name, path, policy))
     return out
 
 
@@ -557,7 +588,10 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     probe = ", GC probe on" if args.gc_probe else ""
     names = list(bench.gateways)
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
-    print(f"gateway: 1 uvicorn worker, {args.policy} policy, in-memory state{probe}; all on 127.0.0.1")
+    print(
+        f"gateway: 1 uvicorn worker, {','.join(args.policies)} policy, in-memory state{probe};"
+        " all on 127.0.0.1"
+    )
     multi = len(names) > 1
     if args.trees:
         print("checkouts, one gateway each: " + ", ".join(f"{n}={p}" for n, p in args.trees.items()))
@@ -584,7 +618,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
-            if k not in ("trees", "pinned")
+            if k not in ("trees", "pinned", "specs")
         },
         "wrk": bench.scripts is not None,
         "body_bytes": min(sizes),
@@ -630,7 +664,8 @@ def _together(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         result = bench.together(path)
         print(together_lines(result, base))
         paths[path] = {**asdict(result), "summary": together_summary(result, base)}
-    out: dict[str, Any] = {"simultaneous": {"base": base, "paths": paths}}
+    specs = {name: {"tree": str(tree or Path.cwd()), "policy": policy} for name, tree, policy in args.specs}
+    out: dict[str, Any] = {"simultaneous": {"base": base, "gateways": specs, "paths": paths}}
     if args.trees:
         out["trees"] = {name: str(path) for name, path in args.trees.items()}
     return out
