@@ -1,6 +1,8 @@
 """Proxy overhead benchmark (not a test): a fast local upstream, direct vs through one gateway worker.
 
     python -m tools.bench_proxy [--paths hit,new] [--seconds 5] [--rounds 3] [--concurrency 32] [--json F]
+    python -m tools.bench_proxy --simultaneous --pin --gateways old=../old:affinity,old2=../old:affinity,\
+        new=.:affinity,ttft=.:ttft
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
 completion), the gateway (one uvicorn worker, ``--policy``: ttft by default, in-memory state) and the load
@@ -25,6 +27,15 @@ the same ``warmroute serve``, read back on SIGUSR1; ``--no-gc-probe`` runs the p
 venv's packages), each round running direct and then every gateway, so two commits are compared in one run
 (a table per checkout, then their CPU per request side by side; no GC probe in this mode). ``--policy
 affinity,ttft`` likewise runs one gateway per policy (per checkout, with ``--trees``).
+
+``--simultaneous`` measures only the gateways' CPU per request, and compares them: every gateway is loaded
+at the same time by its own wrk at the same settings for ``--rounds`` short rounds (default 20 of 2 s; the
+wrk started first rotates), and each round gives each gateway's CPU per request over the first gateway's;
+the report is the median of those ratios with their quartiles, plus /proc/stat's shares per round.
+``--pin`` puts every gateway on one CPU and the upstream, wrk and this process on the others: a shared VM's
+vCPUs change speed by ~10 % within a second, each on its own, so only gateways on the same CPU at the same
+time see the same machine. ``--gateways NAME=PATH:POLICY,...`` names exactly the gateways to run; a
+checkout twice under two names is an A/A pair, whose ratio shows what the run can resolve.
 
 On a 2-core machine the three processes share the cores, so throughput is a lower bound, and a machine
 shared with other work makes every number noisy: compare direct vs gateway and path vs path in one run.
@@ -373,9 +384,9 @@ class Bench:
             runs = self.scripts.wrk_together(urls, path, self.concurrency, self.seconds)
             result.machine.append(shares(stat0, proc_stat()))
             for name, run in zip(order, runs, strict=True):
-                run.cpu_us_per_request = (
-                    (self.gateways[name][1].cpu_seconds() - cpu0[name]) / run.requests * 1e6
-                )
+                used = self.gateways[name][1].cpu_seconds() - cpu0[name]
+                # None for a round it answered nothing in (a machine busy with other work): no ratio then
+                run.cpu_us_per_request = used / run.requests * 1e6 if run.requests else None
                 result.runs[name].append(run)
             result.first.append(order[0])
         for name, (_, gw) in self.gateways.items():

@@ -216,8 +216,10 @@ class TogetherResult:
         return out
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles (statistics' exclusive method), extremes and count of ``values`` (not empty)."""
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Median, quartiles (statistics' exclusive method), extremes and count of ``values``; None if empty."""
+    if not values:
+        return None
     q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {
         "median": statistics.median(values),
@@ -237,7 +239,7 @@ def together_summary(r: TogetherResult, base: str) -> dict[str, Any]:
         cpu = [x.cpu_us_per_request for x in runs if x.cpu_us_per_request is not None]
         out[name] = {
             "cpu_us_per_request": spread(cpu),
-            "rps": statistics.median(x.rps for x in runs),
+            "rps": statistics.median(x.rps for x in runs) if runs else None,
             "ratio": spread(ratios[name]),
         }
     if r.machine:
@@ -255,6 +257,9 @@ def together_lines(r: TogetherResult, base: str) -> str:
     for name in r.runs:
         s = summary[name]
         ratio, cpu = s["ratio"], s["cpu_us_per_request"]
+        if ratio is None or cpu is None:
+            lines.append(f"  {name:<16}{'-':>13}  (no round with requests on both sides)")
+            continue
         iqr, ext = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}", f"{ratio['min']:.3f}-{ratio['max']:.3f}"
         cpu_text = f"{cpu['median']:.0f} ({cpu['q1']:.0f}-{cpu['q3']:.0f})"
         lines.append(
