@@ -86,8 +86,14 @@ bench: $(DEV)
 	$(BIN)/warmroute bench --json bench-out/bench.json
 
 # Affinity hits and new conversations, direct vs one gateway worker (~2.5 min; --paths hit,new,new-session).
+# Then gateway CPU per request compared (tools.bench_proxy --simultaneous --pin: every gateway loaded at once,
+# all on one pinned CPU, ratios per round): ttft and affinity, with an A/A pair of the first gateway in the run;
+# OLD=<checkout>: that checkout's affinity first (and twice), this one's affinity and ttft after it.
+CPU_GATEWAYS = $(if $(OLD),old=$(OLD):affinity$(,)old2=$(OLD):affinity$(,)affinity=.:affinity$(,)ttft=.:ttft,affinity=.:affinity$(,)affinity2=.:affinity$(,)ttft=.:ttft)
+, := ,
 bench-proxy: $(DEV)
 	$(BIN)/python -m tools.bench_proxy --json bench-out/proxy.json
+	$(BIN)/python -m tools.bench_proxy --simultaneous --pin --gateways '$(CPU_GATEWAYS)' --json bench-out/proxy-cpu.json
 
 # 1 M pinned conversations in the in-memory affinity store: RSS, time per claim, gc.collect() pause.
 bench-memory: $(DEV)

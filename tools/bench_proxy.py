@@ -1,6 +1,8 @@
 """Proxy overhead benchmark (not a test): a fast local upstream, direct vs through one gateway worker.
 
     python -m tools.bench_proxy [--paths hit,new] [--seconds 5] [--rounds 3] [--concurrency 32] [--json F]
+    python -m tools.bench_proxy --simultaneous --pin --gateways old=../old:affinity,old2=../old:affinity,\
+        new=.:affinity,ttft=.:ttft
 
 Each piece runs in its own process on 127.0.0.1: the upstream (a minimal ASGI app answering a fixed chat
 completion), the gateway (one uvicorn worker, ``--policy``: ttft by default, in-memory state) and the load
@@ -26,6 +28,15 @@ venv's packages), each round running direct and then every gateway, so two commi
 (a table per checkout, then their CPU per request side by side; no GC probe in this mode). ``--policy
 affinity,ttft`` likewise runs one gateway per policy (per checkout, with ``--trees``).
 
+``--simultaneous`` measures only the gateways' CPU per request, and compares them: every gateway is loaded
+at the same time by its own wrk at the same settings for ``--rounds`` short rounds (default 20 of 2 s; the
+wrk started first rotates), and each round gives each gateway's CPU per request over the first gateway's;
+the report is the median of those ratios with their quartiles, plus /proc/stat's shares per round.
+``--pin`` puts every gateway on one CPU and the upstream, wrk and this process on the others: a shared VM's
+vCPUs change speed by ~10 % within a second, each on its own, so only gateways on the same CPU at the same
+time see the same machine. ``--gateways NAME=PATH:POLICY,...`` names exactly the gateways to run; a
+checkout twice under two names is an A/A pair, whose ratio shows what the run can resolve.
+
 On a 2-core machine the three processes share the cores, so throughput is a lower bound, and a machine
 shared with other work makes every number noisy: compare direct vs gateway and path vs path in one run.
 """
@@ -50,7 +61,18 @@ from typing import Any
 import httpx
 
 from tools.bench_memory import GcPauses, conversation_body, rss_bytes
-from tools.bench_proxy_report import NEW_REASONS, PathResult, Run, medians, path_lines, table, targets
+from tools.bench_proxy_report import (
+    NEW_REASONS,
+    PathResult,
+    Run,
+    TogetherResult,
+    medians,
+    path_lines,
+    table,
+    targets,
+    together_lines,
+    together_summary,
+)
 from tools.bench_report import percentile
 from tools.procs import checkout_env, checkouts, child, free_port, python, wait_http
 
@@ -244,23 +266,41 @@ class Scripts:
         (self.folder / "bench.lua").write_text(_LUA)
         (self.folder / "template.json").write_text(template())
 
-    def wrk(self, url: str, path: str, connections: int, seconds: float) -> Run:
+    def command(self, url: str, path: str, connections: int, seconds: float) -> list[str]:
+        """The wrk command line of one run (a fresh run tag each call)."""
         self.runs += 1
         script, body = self.folder / "bench.lua", self.folder / "template.json"
         args = [f"{self.runs % 10_000:04d}", path, str(body), HIT_TOKEN]
         duration = f"-d{max(1, round(seconds))}s"
-        cmd = ["wrk", "-t1", f"-c{connections}", duration, "-s", str(script), url, "--", *args]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        m = re.search(r"^BENCH (.*)$", out, re.M)
-        assert m, out
-        v = {k: float(x) for k, x in (kv.split("=") for kv in m.group(1).split())}
-        if v["status"]:
-            raise RuntimeError(f"wrk saw {v['status']:.0f} non-2xx responses:\n{out}")
-        errors = int(v["connect"] + v["read"] + v["write"] + v["timeout"])
-        ms = {k: v[f"{k}_us"] / 1e3 for k in ("p50", "p99", "p999", "max")}
-        return Run(
-            int(v["requests"]), v["duration_us"] / 1e6, ms["p50"], ms["p99"], ms["p999"], ms["max"], errors
-        )
+        return ["wrk", "-t1", f"-c{connections}", duration, "-s", str(script), url, "--", *args]
+
+    def wrk(self, url: str, path: str, connections: int, seconds: float) -> Run:
+        cmd = self.command(url, path, connections, seconds)
+        return wrk_run(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+    def wrk_together(self, urls: list[str], path: str, connections: int, seconds: float) -> list[Run]:
+        """One wrk per URL, all started at once (in the order given), each at the same settings."""
+        cmds = [self.command(url, path, connections, seconds) for url in urls]
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+        outs = [p.communicate() for p in procs]
+        for p, (out, err) in zip(procs, outs, strict=True):
+            if p.returncode:
+                raise RuntimeError(f"wrk exited with {p.returncode}:\n{out}{err}")
+        return [wrk_run(out) for out, _ in outs]
+
+
+def wrk_run(out: str) -> Run:
+    """The Lua script's done() line as a Run (a RuntimeError for non-2xx answers)."""
+    m = re.search(r"^BENCH (.*)$", out, re.M)
+    assert m, out
+    v = {k: float(x) for k, x in (kv.split("=") for kv in m.group(1).split())}
+    if v["status"]:
+        raise RuntimeError(f"wrk saw {v['status']:.0f} non-2xx responses:\n{out}")
+    errors = int(v["connect"] + v["read"] + v["write"] + v["timeout"])
+    ms = {k: v[f"{k}_us"] / 1e3 for k in ("p50", "p99", "p999", "max")}
+    return Run(
+        int(v["requests"]), v["duration_us"] / 1e6, ms["p50"], ms["p99"], ms["p999"], ms["max"], errors
+    )
 
 
 def python_sequential(url: str, path: str, seconds: float) -> Run:
@@ -328,6 +368,51 @@ class Bench:
             result.rss_after_bytes, result.entries_after = gw.rss_bytes(), gw.entries()
         return results
 
+    def together(self, path: str) -> TogetherResult:
+        """Every gateway loaded at the same time, each by its own wrk at the same settings, for ``rounds``
+        rounds: each round's CPU per request of one gateway over another's compares two gateways that saw
+        the same seconds of the machine. The wrk started first rotates from round to round."""
+        assert self.scripts is not None, "--simultaneous needs wrk"
+        names = list(self.gateways)
+        result = TogetherResult(path, runs={name: [] for name in names})
+        before = {name: gw.decisions() for name, (_, gw) in self.gateways.items()}
+        for k in range(self.rounds):
+            order = names[k % len(names) :] + names[: k % len(names)]
+            cpu0 = {name: gw.cpu_seconds() for name, (_, gw) in self.gateways.items()}
+            stat0 = proc_stat()
+            urls = [self.gateways[name][0] for name in order]
+            runs = self.scripts.wrk_together(urls, path, self.concurrency, self.seconds)
+            result.machine.append(shares(stat0, proc_stat()))
+            for name, run in zip(order, runs, strict=True):
+                used = self.gateways[name][1].cpu_seconds() - cpu0[name]
+                # None for a round it answered nothing in (a machine busy with other work): no ratio then
+                run.cpu_us_per_request = used / run.requests * 1e6 if run.requests else None
+                result.runs[name].append(run)
+            result.first.append(order[0])
+        for name, (_, gw) in self.gateways.items():
+            after, was = gw.decisions(), before[name]
+            result.decisions[name] = {k: v - was.get(k, 0.0) for k, v in after.items() if v > was.get(k, 0.0)}
+        return result
+
+
+#: /proc/stat's cpu line, in order (the kernel's names).
+_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def proc_stat() -> dict[str, int]:
+    """The whole machine's CPU time so far, in ticks, per /proc/stat field."""
+    line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    assert line[0] == "cpu", line
+    return dict(zip(_STAT_FIELDS, map(int, line[1 : 1 + len(_STAT_FIELDS)]), strict=True))
+
+
+def shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """What the machine did between two ``proc_stat`` readings: the share of all its CPU time that was
+    user, nice (other work at a lower priority), system, idle and steal (the hypervisor's)."""
+    delta = {k: after[k] - before[k] for k in before}
+    total = sum(delta.values()) or 1
+    return {k: delta[k] / total for k in ("user", "nice", "system", "idle", "steal")}
+
 
 _DESCRIPTIONS = {
     "hit": "one conversation: every request an affinity hit",
@@ -342,12 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     if not have_wrk:
         print("wrk not found (apt-get install wrk): throughput is skipped, latency uses a Python client")
     up_port = free_port()
+    pinned = args.pinned = _pin_plan(args.pin)
+    if pinned is not None:  # every child inherits the rest; the gateways move to their CPU once started
+        os.sched_setaffinity(0, pinned[1])
     tmp_dir = tempfile.TemporaryDirectory(prefix="bench-proxy-", ignore_cleanup_errors=True)
     with tmp_dir as tmp, contextlib.ExitStack() as children:  # children stop first, gateways before upstream
         up = children.enter_context(child(upstream_argv(up_port)))
         wait_http(f"http://127.0.0.1:{up_port}/", process=up)
         gateways: dict[str, tuple[str, Gateway]] = {}
-        for name, tree, policy in _gateways(args.trees, args.policies):
+        for name, tree, policy in args.specs:
             gw_port = free_port()
             config = Path(tmp, f"gw-{len(gateways)}.yaml")
             config.write_text(json.dumps(_gateway_config(gw_port, up_port, policy)))
@@ -355,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             env = None if tree is None else checkout_env(tree)
             gw_proc = children.enter_context(child(_gateway_argv(config, gc_file), env=env, cwd=tree))
             wait_http(f"http://127.0.0.1:{gw_port}/readyz", process=gw_proc)
+            if pinned is not None:
+                pin(gw_proc.pid, pinned[0])
             gw = Gateway(gw_proc.pid, f"http://127.0.0.1:{gw_port}", gc_file)
             gateways[name] = (f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw)
         direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
@@ -370,9 +460,18 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_proxy", description=__doc__.splitlines()[0])
     ap.add_argument("--paths", default="hit,new", help=f"comma-separated, in order, from {','.join(PATHS)}")
-    ap.add_argument("--seconds", type=float, default=5.0, help="per run (wrk rounds to whole seconds)")
+    ap.add_argument(
+        "--seconds", type=float, help="per run (wrk rounds to whole seconds); 5, or 2 with --simultaneous"
+    )
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="3, or 20 with --simultaneous")
+    ap.add_argument(
+        "--simultaneous",
+        action="store_true",
+        help="CPU per request only: every gateway (2 or more: --trees and/or --policy) loaded at the same "
+        "time by its own wrk, --rounds short rounds; per round each gateway's CPU per request over the first "
+        "one's, reported as the median of those ratios with their quartiles",
+    )
     ap.add_argument(
         "--policy",
         default="ttft",
@@ -386,6 +485,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="NAME=PATH,...: one gateway per checkout (its code first on PYTHONPATH, this venv), interleaved "
         "in every round; no GC probe (it imports this checkout's tools)",
     )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="every gateway on one CPU (this machine's last), the upstream, wrk and this process on the "
+        "others: with --simultaneous the gateways share one CPU's speed, which moves on a shared VM",
+    )
+    ap.add_argument(
+        "--gateways",
+        default="",
+        help="NAME=PATH:POLICY,...: exactly these gateways (instead of --trees x --policy); a checkout may "
+        "appear twice under two names (an A/A pair in the same run)",
+    )
     args = ap.parse_args(argv)
     try:
         trees = checkouts([t for t in args.trees.split(",") if t.strip()])
@@ -395,8 +506,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not args.policies or len(set(args.policies)) != len(args.policies):
         ap.error(f"--policy: distinct names (got {args.policy!r})")
-    if trees:
+    args.specs = _gateways(trees, args.policies)
+    if args.gateways.strip():
+        if trees:
+            ap.error("--gateways replaces --trees: name one of them")
+        try:
+            args.specs = _named_gateways(args.gateways)
+        except ValueError as err:
+            ap.error(f"--gateways {err}")
+        trees = args.trees = {name: tree for name, tree, _ in args.specs if tree is not None}
+        args.policies = sorted({policy for _, _, policy in args.specs})
+    if trees or args.simultaneous:
         args.gc_probe = False
+    if args.rounds is None:
+        args.rounds = 20 if args.simultaneous else 3
+    if args.seconds is None:
+        args.seconds = 2.0 if args.simultaneous else 5.0
+    if args.simultaneous and len(args.specs) < 2:
+        ap.error("--simultaneous compares gateways: name 2 or more (--trees, --policy or --gateways)")
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pin needs 2 or more CPUs")
+    if args.simultaneous and shutil.which("wrk") is None:
+        ap.error("--simultaneous needs wrk")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not args.paths or set(args.paths) - set(PATHS) or len(set(args.paths)) != len(args.paths):
         ap.error(f"--paths: distinct names from {', '.join(PATHS)} (got {args.paths})")
@@ -414,6 +545,36 @@ def _gateways(trees: dict[str, Path], policies: list[str]) -> list[tuple[str, Pa
             parts = [part for part in (tree_name, policy if len(policies) > 1 else "") if part]
             out.append((":".join(parts) or "gateway", tree, policy))
     return out
+
+
+def _named_gateways(spec: str) -> list[tuple[str, Path | None, str]]:
+    """``NAME=PATH:POLICY,...`` as (name, checkout, policy); ValueError for a malformed one."""
+    out: list[tuple[str, Path | None, str]] = []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        where, sep, policy = item.rpartition(":")
+        if not sep or not policy:
+            raise ValueError(f"expects NAME=PATH:POLICY items, got {item!r}")
+        tree = checkouts([where])  # NAME=PATH, checked like --trees
+        ((name, path),) = tree.items()
+        if name in {n for n, _, _ in out}:
+            raise ValueError(f"repeats the name {name!r}")
+        out.append((name, path, policy))
+    return out
+
+
+def _pin_plan(wanted: bool) -> tuple[set[int], set[int]] | None:
+    """``--pin``: (the gateways' CPU, everything else's CPUs) from the CPUs this process may use."""
+    if not wanted:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def _gateway_argv(config: Path, gc_file: Path | None) -> list[str]:
@@ -438,29 +599,49 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     probe = ", GC probe on" if args.gc_probe else ""
     names = list(bench.gateways)
     print(f"upstream: minimal ASGI app, fixed {len(_ANSWER)}-byte chat completion, non-streaming")
-    print(f"gateway: 1 uvicorn worker, {args.policy} policy, in-memory state{probe}; all on 127.0.0.1")
+    print(
+        f"gateway: 1 uvicorn worker, {','.join(args.policies)} policy, in-memory state{probe};"
+        " all on 127.0.0.1"
+    )
     multi = len(names) > 1
     if args.trees:
         print("checkouts, one gateway each: " + ", ".join(f"{n}={p}" for n, p in args.trees.items()))
     print(
         f"request body: {min(sizes)} bytes on every path; {args.rounds} rounds of {args.seconds:g} s a run;"
     )
-    print("direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy.")
+    if args.simultaneous:
+        print(
+            f"--simultaneous: every gateway loaded at once, its own wrk at {args.concurrency} connections; "
+            "per round CPU per request over the first gateway's"
+        )
+    else:
+        print(
+            "direct and gateway interleaved; medians over rounds. A shared machine makes every number noisy."
+        )
+    if args.pinned is not None:
+        gw_cpus, rest = args.pinned
+        print(f"--pin: every gateway on CPU {sorted(gw_cpus)}, upstream and wrk on CPU {sorted(rest)}")
     rss_start = {name: gw.rss_bytes() for name, (_, gw) in bench.gateways.items()}
     if bench.scripts is not None:
         for url, _ in bench.gateways.values():
             bench.scripts.wrk(url, "hit", 4, min(2.0, args.seconds))  # warm pools and code paths
+    doc: dict[str, Any] = {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("trees", "pinned", "specs")
+        },
+        "wrk": bench.scripts is not None,
+        "body_bytes": min(sizes),
+    }
+    if args.simultaneous:
+        return {**doc, **_together(bench, args)}
     results: dict[str, list[PathResult]] = {name: [] for name in names}
     for path in args.paths:
         print(f"\n[{path}] {_DESCRIPTIONS[path]}")
         for name, result in bench.path(path).items():
             results[name].append(result)
             print((f"  ({name})\n" if multi else "") + path_lines(result, args.concurrency))
-    doc: dict[str, Any] = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trees"},
-        "wrk": bench.scripts is not None,
-        "body_bytes": min(sizes),
-    }
     docs: dict[str, Any] = {}
     for name in names:
         print(
@@ -481,6 +662,24 @@ def _run(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     doc["gateways"] = docs
     print("\n" + _compare(results, args.concurrency))
     return doc
+
+
+def _together(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """``--simultaneous``: per path the runs of every gateway, round by round, and the ratio summary."""
+    names = list(bench.gateways)
+    base = names[0]
+    print(f"ratios: CPU per request over {base}'s in the same round; median of {args.rounds} rounds, IQR")
+    paths: dict[str, Any] = {}
+    for path in args.paths:
+        print(f"\n[{path}] {_DESCRIPTIONS[path]}")
+        result = bench.together(path)
+        print(together_lines(result, base))
+        paths[path] = {**asdict(result), "summary": together_summary(result, base)}
+    specs = {name: {"tree": str(tree or Path.cwd()), "policy": policy} for name, tree, policy in args.specs}
+    out: dict[str, Any] = {"simultaneous": {"base": base, "gateways": specs, "paths": paths}}
+    if args.trees:
+        out["trees"] = {name: str(path) for name, path in args.trees.items()}
+    return out
 
 
 def _compare(results: dict[str, list[PathResult]], connections: int) -> str:

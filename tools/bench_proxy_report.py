@@ -191,3 +191,87 @@ def table(results: list[PathResult], rss_start: int, connections: int) -> str:
 
 def _f(value: float | None, digits: int, width: int = 7, sep: str = "") -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{sep}.{digits}f}"
+
+
+@dataclass
+class TogetherResult:
+    """One path under ``--simultaneous``: every gateway loaded at the same time, round by round."""
+
+    path: str
+    runs: dict[str, list[Run]] = field(default_factory=dict)  # gateway -> one run per round
+    first: list[str] = field(default_factory=list)  # per round: the gateway whose wrk was started first
+    machine: list[dict[str, float]] = field(default_factory=list)  # per round: shares of /proc/stat's cpu
+    decisions: dict[str, dict[str, float]] = field(default_factory=dict)  # per gateway, this path's
+
+    def ratios(self, base: str) -> dict[str, list[float]]:
+        """Per gateway: its CPU per request over ``base``'s, round by round (the same seconds)."""
+        out: dict[str, list[float]] = {}
+        for name, runs in self.runs.items():
+            pairs = zip(runs, self.runs[base], strict=True)
+            out[name] = [
+                r.cpu_us_per_request / b.cpu_us_per_request
+                for r, b in pairs
+                if r.cpu_us_per_request and b.cpu_us_per_request
+            ]
+        return out
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Median, quartiles (statistics' exclusive method), extremes and count of ``values``; None if empty."""
+    if not values:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {
+        "median": statistics.median(values),
+        "q1": q1,
+        "q3": q3,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def together_summary(r: TogetherResult, base: str) -> dict[str, Any]:
+    """Per gateway: the spread of its CPU per request and of its per-round ratio to ``base``."""
+    ratios = r.ratios(base)
+    out: dict[str, Any] = {}
+    for name, runs in r.runs.items():
+        cpu = [x.cpu_us_per_request for x in runs if x.cpu_us_per_request is not None]
+        out[name] = {
+            "cpu_us_per_request": spread(cpu),
+            "rps": statistics.median(x.rps for x in runs) if runs else None,
+            "ratio": spread(ratios[name]),
+        }
+    if r.machine:
+        out["machine"] = {k: statistics.median(m[k] for m in r.machine) for k in r.machine[0]}
+    return out
+
+
+def together_lines(r: TogetherResult, base: str) -> str:
+    """The ratio table of one path: per gateway the median of per-round ratios to ``base``, its quartiles
+    and extremes, its CPU per request and the routing decisions it made."""
+    summary = together_summary(r, base)
+    lines = [
+        f"  {'gateway':<16}{'ratio median':>13}{'IQR':>16}{'min-max':>16}{'CPU us (IQR)':>22}{'req/s':>8}"
+    ]
+    for name in r.runs:
+        s = summary[name]
+        ratio, cpu = s["ratio"], s["cpu_us_per_request"]
+        if ratio is None or cpu is None:
+            lines.append(f"  {name:<16}{'-':>13}  (no round with requests on both sides)")
+            continue
+        iqr, ext = f"{ratio['q1']:.3f}-{ratio['q3']:.3f}", f"{ratio['min']:.3f}-{ratio['max']:.3f}"
+        cpu_text = f"{cpu['median']:.0f} ({cpu['q1']:.0f}-{cpu['q3']:.0f})"
+        lines.append(
+            f"  {name:<16}{ratio['median']:>12.3f}x{iqr:>16}{ext:>16}{cpu_text:>22}{s['rps']:>8,.0f}"
+        )
+    for name, decisions in r.decisions.items():
+        shown = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(decisions.items()))
+        lines.append(f"  decisions {name}: {shown}")
+    if "machine" in summary:
+        m = summary["machine"]
+        lines.append(
+            "  machine per round (median shares of all CPU time, /proc/stat): "
+            + ", ".join(f"{k} {v:.1%}" for k, v in m.items())
+        )
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from routing.keys import chat_key
 from tools.bench_memory import SYSTEM_PROMPT, GcPauses
 from tools.bench_proxy import _ANSWER, PATHS, SESSION_HEADER, TOKEN_WIDTH, Scripts, render
-from tools.bench_proxy_report import PathResult, Run, medians, table, targets
+from tools.bench_proxy_report import PathResult, Run, TogetherResult, medians, spread, table, targets
 
 from upstreams import serve
 
@@ -187,3 +188,60 @@ def test_gc_pauses_counts_a_full_collection_as_generation_two() -> None:
     assert snap["gen2"]["total_ms"] == snap["gen2"]["max_ms"]
     probe.reset()
     assert probe.snapshot()["gen2"] == {"count": 0, "total_ms": 0.0, "max_ms": 0.0}
+
+
+@needs_wrk
+@pytest.mark.needs("wrk")
+def test_simultaneous_runs_every_gateway_at_once_and_reports_ratios_to_the_first(tmp_path: Path) -> None:
+    out, here = tmp_path / "proxy.json", str(Path(__file__).resolve().parents[2])
+    argv = [sys.executable, "-m", "tools.bench_proxy", "--simultaneous", "--seconds", "1", "--rounds", "2"]
+    argv += ["--paths", "hit", "--gateways", f"a={here}:affinity,b={here}:ttft", "--json", str(out)]
+    if len(os.sched_getaffinity(0)) >= 2:
+        argv.append("--pin")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)  # a hang guard only
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ratio median" in done.stdout and "IQR" in done.stdout
+    sim = json.loads(out.read_text())["simultaneous"]
+    assert sim["base"] == "a" and sim["gateways"]["b"] == {"tree": here, "policy": "ttft"}
+    p = sim["paths"]["hit"]
+    assert list(p["runs"]) == ["a", "b"] and p["first"] == ["a", "b"]  # the wrk started first rotates
+    for name in ("a", "b"):  # a round a busy machine left without answers has no CPU figure, never 0
+        runs = p["runs"][name]
+        assert len(runs) == 2 and all((r["cpu_us_per_request"] is None) == (r["requests"] == 0) for r in runs)
+        assert set(p["decisions"][name]) <= {"affinity_hit"}  # each gateway served its own wrk's requests
+        assert p["decisions"][name].get("affinity_hit", 0) >= sum(r["requests"] for r in runs)
+    a_runs, b_runs = p["runs"]["a"], p["runs"]["b"]
+    paired = sum(1 for a, b in zip(a_runs, b_runs, strict=True) if a["requests"] and b["requests"])
+    summary = p["summary"]
+    for name in ("a", "b"):
+        ratio = summary[name]["ratio"]
+        assert (
+            ratio is None
+            if not paired
+            else ratio["q1"] <= ratio["median"] <= ratio["q3"] and ratio["n"] == paired
+        )
+    assert summary["a"]["ratio"] is None or summary["a"]["ratio"]["median"] == 1.0
+    assert len(p["machine"]) == 2 and set(summary["machine"]) == {"user", "nice", "system", "idle", "steal"}
+    assert all(0.0 <= v <= 1.0 for m in p["machine"] for v in m.values())
+
+
+def test_simultaneous_needs_two_gateways_and_gateways_replaces_trees() -> None:
+    for extra in (["--policy", "ttft"], ["--gateways", "a=.:affinity", "--trees", "b=."]):
+        argv = [sys.executable, "-m", "tools.bench_proxy", "--simultaneous", *extra]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stdout + done.stderr
+
+
+def test_ratios_pair_each_round_with_the_base_rounds_and_spread_gives_quartiles() -> None:
+    r = TogetherResult(
+        "hit",
+        runs={
+            "a": [run(1, 2, cpu_us_per_request=100.0), run(1, 2, cpu_us_per_request=200.0)],
+            "b": [run(1, 2, cpu_us_per_request=110.0), run(1, 2, cpu_us_per_request=180.0)],
+        },
+    )
+    assert r.ratios("a") == {"a": [1.0, 1.0], "b": [pytest.approx(1.1), pytest.approx(0.9)]}
+    s = spread([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert s == {"median": 3.0, "q1": 1.5, "q3": 4.5, "min": 1.0, "max": 5.0, "n": 5}
+    one = spread([2.0])
+    assert one is not None and one["q1"] == one["q3"] == 2.0 and spread([]) is None
