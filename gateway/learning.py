@@ -118,8 +118,9 @@ class RoutingFeedback:
             ctx.route_key = reply_key(ctx.key, reply)
         # A request that is no turn (a token count) is routed as its conversation's next turn would be (the
         # same key, pin, reply hint and holders), and teaches nothing: no prefill queued, no holder, no speed.
+        # Positional (once per request: keywords cost their matching).
         ctx.route = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars,
-                              own_key=own_key, teaches=ctx.shape.pins)  # fmt: skip
+                              own_key, ctx.shape.pins)  # fmt: skip
 
     def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
         info = ctx.route
