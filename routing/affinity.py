@@ -173,6 +173,13 @@ class AffinityTable:
         """Pinned conversations per backend (a live view; copy it to keep it)."""
         return self._counts
 
+    def live_counts(self, now: float) -> Mapping[str, int]:
+        """``expire(now)``, then ``counts()``: one call (once per request of a policy that counts them)."""
+        gens, ttl_s = self._gens, self.ttl_s
+        while gens and gens[0].last + ttl_s <= now:
+            self._discard(gens.popleft())
+        return self._counts
+
     def recent_counts(self, since: float) -> dict[str, int]:
         """Pins per backend used at ``since`` or later, by whole generations: one whose latest use is at
         ``since`` or later counts whole, so a pin used up to one generation's width earlier may count too."""

@@ -244,7 +244,8 @@ def reply_key(key: str, reply: str) -> str:
     except UnicodeEncodeError:
         b = r.encode("utf-8", "surrogatepass")
     n = len(k)
-    framed = (_REPLY_FIELD, _LENGTHS[n] if n < 1024 else n.to_bytes(8, "little"), k, _SEP, _LENGTHS[len(b)], b, _SEP)
+    length = _LENGTHS[n] if n < 1024 else n.to_bytes(8, "little")
+    framed = (_REPLY_FIELD, length, k, _SEP, _LENGTHS[len(b)], b, _SEP)
     return xxhash.xxh3_128_hexdigest(b"".join(framed))
 
 
