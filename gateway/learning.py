@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from math import floor
 
 from backends.registry import Lease, Registry
 from gateway.context import RequestContext
@@ -118,8 +119,9 @@ class RoutingFeedback:
             ctx.route_key = reply_key(ctx.key, reply)
         # A request that is no turn (a token count) is routed as its conversation's next turn would be (the
         # same key, pin, reply hint and holders), and teaches nothing: no prefill queued, no holder, no speed.
+        # Positional (once per request: keywords cost their matching).
         ctx.route = RouteInfo(ctx.key, shape.turn == 1, len(ctx.raw), shape.head_chars, shape.tail_chars,
-                              own_key=own_key, teaches=ctx.shape.pins)  # fmt: skip
+                              own_key, ctx.shape.pins)  # fmt: skip
 
     def request(self, ctx: RequestContext, pinned: str | None, exclude: frozenset[str]) -> RouteRequest:
         info = ctx.route
@@ -143,8 +145,10 @@ class RoutingFeedback:
         kv_held = () if self.kv is None else self._kv_held(key, head_key, home)
         # Positional (once per request: keywords cost their matching): key, pinned, exclude, the prompt's,
         # head's and tail's tokens, a turn's, holders, hint, kv_held.
-        prompt, head = int(info.prompt_chars / cpt), int(info.head_chars / cpt)
-        tail, turn = int(info.tail_chars / cpt), int(self.turn_tokens.value)
+        # ``floor``, not ``int``: the same for these (characters >= 0, a ratio > 0) at half the cost (``int``
+        # is a type's call).
+        prompt, head = floor(info.prompt_chars / cpt), floor(info.head_chars / cpt)
+        tail, turn = floor(info.tail_chars / cpt), int(self.turn_tokens.value)
         return RouteRequest(key, pinned, exclude, prompt, head, tail, turn, holders, hint, kv_held)
 
     def _kv_held(self, key: str, head_key: str, home: str | None) -> tuple[tuple[str, int], ...]:
@@ -171,8 +175,7 @@ class RoutingFeedback:
         (the cost model reads them only for an engine that does)."""
         now = self.clock()
         active = self.active
-        active.expire(now)
-        counts = active.counts()
+        counts = active.live_counts(now)
         backends = self.registry.backends.values()
         for b in backends:
             s = b.signals
@@ -220,7 +223,7 @@ class RoutingFeedback:
             return
         lease.prefill(uncached_tokens)
         info.uncached_tokens = uncached_tokens
-        info.sent_at = self.clock()
+        info.sent_at = now = self.clock()
         backend, key = lease.backend.id, ctx.route_key  # ``ctx.affinity_key`` inline (a property)
         if key is None:
             key = ctx.key
@@ -236,7 +239,7 @@ class RoutingFeedback:
         if expires is not None and not info.first_turn:
             # Its last turn ended at most this long ago (its generation's latest use). ``Ewma.add`` and
             # ``max(0.0, pause)`` inline (once per follow-up): the same arithmetic.
-            pause, e = self.clock() - (expires - active.ttl_s), self.pause_s
+            pause, e = now - (expires - active.ttl_s), self.pause_s
             e.value += e.alpha * ((pause if pause > 0.0 else 0.0) - e.value)
         self.holders.add(info.head_key, backend, info.first_turn)
 
@@ -292,7 +295,8 @@ class RoutingFeedback:
         # Active until its next turn (or the window's end): keyed as that turn will be, so each of several
         # twins sharing one head counts once.
         self.active.move(next_key, obs.backend, now)
-        if self.speeds.refresh(now) or added is not None:
+        speeds = self.speeds
+        if (speeds.dirty and speeds.refresh(now)) or added is not None:  # no call while nothing is new
             self._publish_rates(now)
 
     def _kv_learn(self, obs: Observation, info: RouteInfo, usage: Usage, replied: str | None) -> None:

@@ -48,13 +48,13 @@ class RouteInfo:
     prompt_chars: int  # the body's size (a learned ratio turns it into tokens)
     head_chars: int
     tail_chars: int = 0  # after the last assistant message (the whole prompt on turn 1)
+    own_key: bool = False  # keyed by a session id: the key names this conversation alone, never a twin's head
+    teaches: bool = True  # False for a request that is no turn (a token count): routed as one, learns nothing
     uncached_tokens: int = 0  # the estimate for the backend the request went to
     sent_at: float = -1.0  # when it was sent there (the feedback's clock; -1: not sent through it)
     kv_mark: int = -1  # its engine's KV event mark when it was sent (-1: the engine publishes no events)
     kv_estimate: int = -1  # cached tokens the KV index said that engine held (-1: it had no answer)
     home: str | None = None  # a follow-up's pinned backend or twin hint: where its history should be cached
-    own_key: bool = False  # keyed by a session id: the key names this conversation alone, never a twin's head
-    teaches: bool = True  # False for a request that is no turn (a token count): routed as one, learns nothing
 
     @property
     def twin_head(self) -> bool:
@@ -62,7 +62,10 @@ class RouteInfo:
         return self.first_turn and not self.own_key
 
 
-@dataclass(frozen=True, slots=True)
+# Slotted, not frozen (as ``Observation`` and ``routing.types.RouteRequest``): one is built per answered
+# request, and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` (~5.7k
+# instructions for these three fields, ~1.3k unfrozen). Its readers treat it as a read-only value.
+@dataclass(slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int

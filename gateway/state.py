@@ -39,7 +39,10 @@ _TOUCH, _CLAIM, _MOVE = PinAction.TOUCH, PinAction.CLAIM, PinAction.MOVE
 _PIN = ChangeKind.PIN
 
 
-@dataclass(frozen=True, slots=True)
+# Slotted, not frozen (as ``routing.types.RouteRequest``): one is built per routed request, and a frozen
+# dataclass's ``__init__`` sets each field through ``object.__setattr__`` (~5k instructions for these
+# three). The proxy and the policies treat it as a read-only snapshot.
+@dataclass(slots=True)
 class StoreView:
     pinned: str | None
     conversations: Mapping[str, int]

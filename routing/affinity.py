@@ -79,11 +79,34 @@ class AffinityTable:
 
     def move(self, key: str, backend: str, now: float) -> None:
         """Pin ``key`` to ``backend`` whatever it was pinned to."""
+        # ``expire``, ``take``, ``_insert``, ``_current`` and ``_put`` inline, one frame: once per request of
+        # a policy that counts conversations between turns (each call was about a thousand instructions).
         gens, ttl_s = self._gens, self.ttl_s
-        while gens and gens[0].last + ttl_s <= now:  # ``expire`` inline: once per request of a policy that
-            self._discard(gens.popleft())  # counts conversations between turns
-        self.take(key)
-        self._insert(key, backend, now)
+        while gens and gens[0].last + ttl_s <= now:
+            self._discard(gens.popleft())
+        names, total = self._names, self._counts
+        for gen in reversed(gens):
+            old = gen.pins.pop(key, None)
+            if old is not None:
+                self._uncount(gen, old, 1)
+                break
+        index = self._index.get(backend)
+        if index is None:
+            index = self._index[backend] = len(names)
+            names.append(backend)
+        if not gens or now >= gens[-1].start + self._width:
+            gens.append(_Generation(now))
+        gen = gens[-1]
+        if now > gen.last:  # a caller's ``now`` read before an await may be a little older
+            gen.last = now
+        gen.pins[key] = index
+        counts = gen.counts
+        counts[index] = counts.get(index, 0) + 1
+        name = names[index]
+        total[name] = total.get(name, 0) + 1
+        self._len += 1
+        if self._len > self.max_entries:
+            self._trim()
 
     def forget(self, key: str) -> str | None:
         """Drop the pin of ``key`` (an operator's request); the backend it named, or None."""
@@ -101,12 +124,22 @@ class AffinityTable:
         """Drop ``key``'s pin, if any, and say when it would have expired (``entry``'s second item), or
         None: ``entry`` then ``discard`` in one walk of the generations (once per request of a policy that
         counts conversations between their turns)."""
-        for gen in reversed(self._gens):  # ``_find`` and ``_drop`` inline
-            pins = gen.pins
-            index = pins.get(key)
+        for gen in reversed(self._gens):  # ``_find``, ``_drop`` and ``_uncount`` inline
+            index = gen.pins.pop(key, None)
             if index is not None:
-                del pins[key]
-                self._uncount(gen, index, 1)
+                counts = gen.counts
+                left = counts[index] - 1
+                if left:
+                    counts[index] = left
+                else:
+                    del counts[index]
+                total, name = self._counts, self._names[index]
+                left = total[name] - 1
+                if left:
+                    total[name] = left
+                else:
+                    del total[name]
+                self._len -= 1
                 return gen.last + self.ttl_s
         return None
 
@@ -138,6 +171,13 @@ class AffinityTable:
 
     def counts(self) -> Mapping[str, int]:
         """Pinned conversations per backend (a live view; copy it to keep it)."""
+        return self._counts
+
+    def live_counts(self, now: float) -> Mapping[str, int]:
+        """``expire(now)``, then ``counts()``: one call (once per request of a policy that counts them)."""
+        gens, ttl_s = self._gens, self.ttl_s
+        while gens and gens[0].last + ttl_s <= now:
+            self._discard(gens.popleft())
         return self._counts
 
     def recent_counts(self, since: float) -> dict[str, int]:
@@ -191,6 +231,11 @@ class AffinityTable:
             index = self._index[backend] = len(self._names)
             self._names.append(backend)
         self._put(self._current(now), key, index)
+        if self._len > self.max_entries:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Past ``max_entries``: the oldest generation gives up pins first."""
         while self._len > self.max_entries:
             oldest = self._gens[0]
             if not oldest.pins:

@@ -205,12 +205,18 @@ def _image_identity(image_url: Any) -> bytes:
     return b"u" + url.encode()
 
 
+#: ``n.to_bytes(8, "little")`` of the short lengths, made once: a field's frame is a list index, not a call.
+_LENGTHS = [n.to_bytes(8, "little") for n in range(1024)]
+
+
 def _digest(fields: list[bytes]) -> str:
     """xxh3-128 of the fields, each framed as its 8-byte length, the bytes, a separator: one call into the
     hash over one buffer (the same digest as feeding the framed fields one by one)."""
     framed: list[bytes] = []
+    lengths = _LENGTHS
     for data in fields:
-        framed += (len(data).to_bytes(8, "little"), data, _SEP)
+        n = len(data)
+        framed += (lengths[n] if n < 1024 else n.to_bytes(8, "little"), data, _SEP)
     return xxhash.xxh3_128_hexdigest(b"".join(framed))
 
 
@@ -230,8 +236,16 @@ def reply_key(key: str, reply: str) -> str:
     # A reply is a later turn's text, not validated (the engine judges it): a lone surrogate hashes as is.
     # ``_digest([b"reply", key, reply])`` framed here at once (the first field's frame is a constant): it
     # runs on every later turn.
-    k, r = key.encode(), reply[:REPLY_CHARS].encode("utf-8", "surrogatepass")
-    framed = (_REPLY_FIELD, len(k).to_bytes(8, "little"), k, _SEP, len(r).to_bytes(8, "little"), r, _SEP)
+    # The lengths from ``_LENGTHS`` (a reply's 64 characters are at most 256 bytes), and the plain encoding
+    # first (the same bytes: only a surrogate needs the error handler).
+    k, r = key.encode(), reply[:REPLY_CHARS]
+    try:
+        b = r.encode()
+    except UnicodeEncodeError:
+        b = r.encode("utf-8", "surrogatepass")
+    n = len(k)
+    length = _LENGTHS[n] if n < 1024 else n.to_bytes(8, "little")
+    framed = (_REPLY_FIELD, length, k, _SEP, _LENGTHS[len(b)], b, _SEP)
     return xxhash.xxh3_128_hexdigest(b"".join(framed))
 
 

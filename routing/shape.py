@@ -27,29 +27,36 @@ def chat_turns(messages: list[Any]) -> tuple[Shape, Mapping[str, Any] | None]:
     first reply: ``routing.keys.first_reply`` reads its text), in one walk. Once per routed chat request, so
     it measures only what the shape needs: the head, then what follows the latest reply (an assistant
     message's own size is never needed), the common message (text, no tool calls) inline."""
-    head = tail = replies = 0
+    head = cut = replies = 0  # the tail within the head: what follows its latest reply (``head - cut``)
     rest = iter(messages)
     for msg in rest:  # the head: up to and with the first user message (no reply comes before one)
         if not isinstance(msg, dict):
             continue
         content = msg.get("content")
-        n = len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
-        head += n
+        head += len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
         role = msg.get("role")
+        if role == "user":
+            break
         if role == "assistant":
             replies += 1
-            tail = 0
-        else:
-            tail += n
-            if role == "user":
-                break
-    reply = None
-    for msg in rest:
+            cut = head
+    tail = head - cut
+    for msg in rest:  # to the first reply
         if not isinstance(msg, dict):
             continue
         if msg.get("role") == "assistant":
-            if reply is None:
-                reply = msg
+            reply = msg
+            break
+        content = msg.get("content")
+        tail += len(content) if type(content) is str and "tool_calls" not in msg else message_chars(msg)
+    else:
+        return Shape(head, tail, replies + 1), None
+    replies += 1
+    tail = 0
+    for msg in rest:  # after it: the tail since the latest reply
+        if not isinstance(msg, dict):
+            continue
+        if msg.get("role") == "assistant":
             replies += 1
             tail = 0
         else:

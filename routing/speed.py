@@ -122,7 +122,7 @@ class SpeedEstimator:
         self.prior_tokens = prior_tokens
         self.refresh_s = refresh_s
         self._computed_at = -math.inf
-        self._dirty = False  # samples came since the last recomputation
+        self.dirty = False  # samples came since the last recomputation (``refresh`` has work to do)
         self.weights = dict(weights)
         self._prefill: dict[str, DecayedSums] = {}
         self._decode: dict[str, DecayedSums] = {}
@@ -155,7 +155,7 @@ class SpeedEstimator:
 
     def _add_prefill(self, backend: str, tokens: float, seconds: float, now: float) -> None:
         _sums(self._prefill, backend).add(tokens, seconds, now, self.half_life_s)
-        self._dirty = True  # ``_maybe_recompute`` inline: twice per request
+        self.dirty = True  # ``_maybe_recompute`` inline: twice per request
         if not self.refresh_s:
             self.refresh(now)
 
@@ -165,7 +165,7 @@ class SpeedEstimator:
 
     def refresh(self, now: float) -> bool:
         """Recompute the rates if samples came since the last time and ``refresh_s`` has passed."""
-        if self._dirty and now - self._computed_at >= self.refresh_s:
+        if self.dirty and now - self._computed_at >= self.refresh_s:
             self._computed_at = now
             self._recompute()
             return True
@@ -180,7 +180,7 @@ class SpeedEstimator:
         return out
 
     def _recompute(self) -> None:
-        self._dirty = False
+        self.dirty = False
         self._rates(self._prefill, self.prefill_tps, DEFAULT_PREFILL_TPS)
 
     def _rates(self, sums: Mapping[str, DecayedSums], out: dict[str, float], default: float) -> None:
