@@ -31,12 +31,6 @@
   not once per conversation, was measured worse: a thrashed cache was still credited with its size, so
   new conversations kept off the small caches until the large ones queued. Counting the competing ones in
   the turn load too no longer balanced sequential new conversations by count; distinct 1.09x main.)
-- ``respread`` (in the load term, at its full size): a new conversation whose head another backend
-  recently prefilled (``request.holders``), placed on one that does not hold it, pays that head's prefill
-  once more: the wait it adds there for whatever arrives next (work no engine would have had: a holder
-  reads the head from its cache), as a spill does. Without it, a new conversation among identical engines
-  went to one without its head while its holder briefly had a queue of follow-ups, and the next of its
-  group followed the new holder: each engine ended up prefilling two heads.
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -115,16 +109,6 @@ def pressure_tokens(c: Candidate, request: RouteRequest) -> int:
     return 0 if over <= 0 else n * (size if size < over else over)
 
 
-def respread_tokens(c: Candidate, request: RouteRequest) -> int:
-    """The head a new conversation prefills again on ``c`` although another backend holds it (0 on a holder,
-    for a conversation with a pin or a twin hint, and where the engines report what they hold)."""
-    if not request.holders or c.id in request.holders or request.kv_held:
-        return 0
-    if request.pinned is not None or request.hint is not None:
-        return 0
-    return min(request.head_tokens, request.prompt_tokens)
-
-
 def uncached_tokens(c: Candidate, request: RouteRequest) -> int:
     return request.prompt_tokens - cached_tokens(c, request)
 
@@ -157,14 +141,9 @@ def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
         over = n * size - capacity
         if over > 0:
             load += n * (size if size < over else over)
-    loaded = load * load_share / r
     if request.kv_held or c.id == request.pinned or c.id == request.hint or c.id in request.holders:
         prompt -= cached_tokens(c, request)
-    elif request.holders:
-        respread = respread_tokens(c, request)
-        if respread:
-            loaded += respread / r
-    return queued / r + prompt / r + loaded
+    return queued / r + prompt / r + load * load_share / r
 
 
 def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
@@ -173,7 +152,4 @@ def cost(c: Candidate, request: RouteRequest, load_share: float) -> Cost:
     queue_s = queued_tokens(c, request.turn_tokens) / r
     prefill_s = uncached / r
     load_s = load_tokens(c, request) * load_share / r
-    respread = respread_tokens(c, request)
-    if respread:
-        load_s += respread / r
     return Cost(c.id, uncached, queue_s, prefill_s, load_s, queue_s + prefill_s + load_s)

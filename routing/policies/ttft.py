@@ -18,8 +18,6 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
                                                                          (move_cheaper)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
 - new                                   -> cheapest (load term included), claim        (new_cheapest)
-  (on a backend without the head another one holds, the load term includes that head once more:
-  ``routing.cost`` ``respread``)
   - several within ``_SPREAD_SHARE`` (5 %) of the cheapest: the one given a new conversation least
     recently (``Candidate.placed_at``), so conversations that start close together (agents starting in
     a burst, before any queue tells their engines apart) are spread across engines in turn instead of
