@@ -156,8 +156,8 @@ def test_structural_overload_moves_the_pin() -> None:
 
 def test_a_move_pays_its_prefill_there_twice() -> None:
     # Home "p" busier in the long run (2 other active conversations) with a 10000-token queue: 10.3 s; "x"
-    # 3 s there + the 3 s of wait it adds there + the 60 % margin (6.18 s) = 12.18 s: stays (by its own
-    # wait alone it moved).
+    # 3 s there + the 2.7 s it reads there beyond home's 300 tokens, once more (the wait it adds there) +
+    # the 60 % margin (6.18 s) = 11.88 s: stays (by its own wait alone it moved).
     d = policy().select([cand("p", active=3, prefilling=10_000), cand("x")], req(pinned="p"), NOW)
     assert (d.backend, d.reason, d.pin) == ("p", Reason.AFFINITY_HIT, PinAction.TOUCH)
     d = policy().select([cand("p", active=3, prefilling=20_000), cand("x")], req(pinned="p"), NOW)
