@@ -6,7 +6,7 @@ The registry knows nothing of routing rules; it produces ``Candidate`` snapshots
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +72,9 @@ class Lease:
     released: bool = field(default=False)
     prefill_tokens: int = 0  # counted in ``backend.prefilling`` until the first byte (or the release)
     queued_tokens: int = 0  # ``backend.prefilling`` ahead of this request when it was sent
+    #: Called once at the engine's first byte (not on a release without one): the learned prefill rate's
+    #: busy time, taken in the order first bytes come (``gateway.learning``).
+    on_first_byte: Callable[[], None] | None = None
 
     def prefill(self, tokens: int) -> None:
         """This request will prefill about ``tokens`` uncached tokens: queue them until its first byte."""
@@ -80,6 +83,10 @@ class Lease:
         self.backend.prefilling += tokens
 
     def first_byte(self) -> None:
+        hook = self.on_first_byte
+        if hook is not None:
+            self.on_first_byte = None
+            hook()
         if self.prefill_tokens:
             self.backend.prefilling -= self.prefill_tokens
             self.prefill_tokens = 0
@@ -87,6 +94,7 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.on_first_byte = None  # released without a first byte (or after it): nothing to time
             self.first_byte()
             self.backend.in_flight -= 1
             self.listener.finished(self.backend.id)

@@ -224,7 +224,13 @@ class RoutingFeedback:
         lease.prefill(uncached_tokens)
         info.uncached_tokens = uncached_tokens
         info.sent_at = now = self.clock()
+        info.busy_s = -1.0  # (a retry's span is its own)
         backend, key = lease.backend.id, ctx.route_key  # ``ctx.affinity_key`` inline (a property)
+        body = ctx.body
+        if (
+            body is not None and body.get("stream") is True
+        ):  # a plain body's first byte comes after its decode
+            lease.on_first_byte = lambda: self._first_byte(info, backend)
         if key is None:
             key = ctx.key
         if self.kv is not None and backend in self.kv.engines:
@@ -242,6 +248,11 @@ class RoutingFeedback:
             pause, e = now - (expires - active.ttl_s), self.pause_s
             e.value += e.alpha * ((pause if pause > 0.0 else 0.0) - e.value)
         self.holders.add(info.head_key, backend, info.first_turn)
+
+    def _first_byte(self, info: RouteInfo, backend: str) -> None:
+        """Its first byte: its span joins the backend's busy time now, in the order the engine finished
+        prefilling (``SpeedEstimator.busy``); ``observe`` adds the seconds with the reported tokens."""
+        info.busy_s = self.speeds.busy(backend, info.sent_at, self.clock())
 
     # -- in finish: the Observer ----------------------------------------------------------------------
 
@@ -278,13 +289,17 @@ class RoutingFeedback:
         if fb is not None and usage is not None and obs.streamed:
             # Only streams that report usage teach speed: anything else (a passthrough GET, a stream
             # without include_usage) may not have prefilled what was estimated, and a whole JSON answer's
-            # first byte comes after its decode. The span from sending to the first byte, on this clock
-            # (the request started ``duration_s`` ago).
-            end = now - obs.duration_s + fb
-            start = info.sent_at
-            if start < 0 or start > end:  # not sent through ``sent`` (or another clock): from its start
-                start = end - fb
-            self.speeds.prefill_span(obs.backend, uncached, start, end, now)
+            # first byte comes after its decode. The busy time its span (sending to the first byte) added
+            # when the first byte came; without one (not sent through ``sent``), the span merged now, on
+            # this clock (the request started ``duration_s`` ago).
+            if info.busy_s >= 0.0:  # its span was merged at its first byte (``_first_byte``)
+                self.speeds.prefill_busy(obs.backend, uncached, info.busy_s, now)
+            else:
+                end = now - obs.duration_s + fb
+                start = info.sent_at
+                if start < 0 or start > end:  # not sent through ``sent`` (or another clock): from its start
+                    start = end - fb
+                self.speeds.prefill_span(obs.backend, uncached, start, end, now)
         next_key = obs.key
         if not info.first_turn:
             e = self.turn_tokens

@@ -52,6 +52,7 @@ class RouteInfo:
     teaches: bool = True  # False for a request that is no turn (a token count): routed as one, learns nothing
     uncached_tokens: int = 0  # the estimate for the backend the request went to
     sent_at: float = -1.0  # when it was sent there (the feedback's clock; -1: not sent through it)
+    busy_s: float = -1.0  # the engine busy time its span added at its first byte (-1: none taken then)
     kv_mark: int = -1  # its engine's KV event mark when it was sent (-1: the engine publishes no events)
     kv_estimate: int = -1  # cached tokens the KV index said that engine held (-1: it had no answer)
     home: str | None = None  # a follow-up's pinned backend or twin hint: where its history should be cached

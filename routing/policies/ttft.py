@@ -13,8 +13,10 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
     home on the next turn (the spilled turn is not cached there) and its prefill there once more (the
     wait it adds to whatever arrives there next)                        (spill_overload)
     (unless its KV cache events say it evicted the history: then the pin moves, and without the margin)
-  - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with;
-    spilling every turn would pay it every turn                          (move_cheaper)
+  - home busier for good: move the pin; the move pays one re-prefill, now, in the cost it won with, and
+    what it reads there beyond home once more (the wait it adds there); spilling every turn would pay it
+    every turn
+                                                                         (move_cheaper)
 - pinned backend down/draining/removed  -> cheapest, re-pin            (repin_unhealthy / repin_removed)
 - new                                   -> cheapest (load term included), claim        (new_cheapest)
   - several within ``_SPREAD_SHARE`` (5 %) of the cheapest: the one given a new conversation least
@@ -128,6 +130,14 @@ class TtftPolicy:
                 return self._decide(home, Reason.AFFINITY_HIT, keep, ready, request)
             return self._decide(best, Reason.SPILL_OVERLOAD, PinAction.NONE, ready, request)
         # Busier for good: move once (the re-prefill is in the cost it won with) rather than spill every turn.
+        # A move pays the prefill it adds twice, as a spill does: once in its own wait, once in the wait it
+        # adds there for whatever arrives next: what it reads there beyond what it would read at home (a home
+        # that evicted the history adds nothing). (Without it, among equally loaded identical engines a
+        # follow-up moved when its home briefly had two or three follow-ups queued: its group's head then
+        # lived on two engines.)
+        added = there.uncached_tokens - stay.uncached_tokens
+        if added > 0 and there_now + added / rate(best) + margin >= stay_now:
+            return self._decide(home, _HIT, keep, ready, request)
         return self._decide(best, Reason.MOVE_CHEAPER, _placed(request), ready, request)
 
     def _cheapest(self, ready: list[Candidate], request: RouteRequest) -> Candidate:

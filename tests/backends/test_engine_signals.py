@@ -97,6 +97,19 @@ def test_the_prefill_ledger_counts_until_the_first_byte_or_the_release() -> None
     assert (reg.backends["a"].prefilling, reg.backends["a"].in_flight) == (0, 0)
 
 
+def test_the_first_byte_hook_is_called_once_at_the_first_byte_and_never_by_a_release() -> None:
+    reg = registry()
+    first, second = reg.lease("a"), reg.lease("a")
+    seen: list[str] = []
+    first.on_first_byte = lambda: seen.append("first")
+    second.on_first_byte = lambda: seen.append("second")
+    first.first_byte()
+    first.first_byte()
+    first.release()
+    second.release()  # no first byte came: nothing to time
+    assert seen == ["first"]
+
+
 def test_signals_and_learned_rates_are_exported_per_backend() -> None:
     reg = registry()
     reg.backends["a"].signals = parse_signals(SGLANG, 0.0)

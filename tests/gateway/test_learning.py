@@ -163,6 +163,51 @@ def test_a_request_that_waited_behind_another_adds_only_the_engines_busy_time() 
     assert feedback.speeds.prefill_tps["a"] == pytest.approx(4000.0)
 
 
+def test_a_twin_observed_before_the_head_it_waited_behind_takes_only_its_own_prefill_time() -> None:
+    # The head (2400 uncached tokens) sent to "a" at 10, first byte at 10.6; its twin (13 tokens, the head
+    # cached) sent at 10.1, first byte at 10.62, its answer done first. Merged at the first bytes, the twin's
+    # sample is its own 0.02 s, not the head's prefill.
+    proxy = make_proxy(FakeTransport())
+    now = [10.0]
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: now[0])
+    head, twin = chat(HEAD), chat(HEAD)
+    leases = []
+    for ctx in (head, twin):
+        feedback.plan(ctx)
+        leases.append(lease := proxy.registry.lease("a"))
+        feedback.sent(ctx, lease, 100)
+        now[0] += 0.1
+    for lease, at in zip(leases, (10.6, 10.62), strict=True):
+        now[0] = at
+        lease.first_byte()
+    now[0] = 11.0
+    twin_obs = observation(
+        feedback, duration_s=0.9, first_byte_s=0.52, usage=Usage(2413, 41, 2400), route=twin.route
+    )
+    feedback.observe(twin_obs)
+    sums = feedback.speeds._prefill["a"]
+    assert sums.tokens == 13 and sums.seconds == pytest.approx(0.02)
+    now[0] = 12.0
+    feedback.observe(
+        observation(feedback, duration_s=2.0, first_byte_s=0.6, usage=Usage(2400, 41, 0), route=head.route)
+    )
+    # (both decayed for 1 s)
+    assert sums.tokens == pytest.approx(2413, rel=1e-2) and sums.seconds == pytest.approx(0.62, rel=1e-2)
+
+
+def test_a_request_that_does_not_stream_is_not_timed_at_its_first_byte() -> None:
+    # A plain JSON answer's first byte comes after its decode: no span from it.
+    proxy = make_proxy(FakeTransport())
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: 10.0)
+    ctx = chat(HEAD)
+    assert ctx.body is not None
+    ctx.body["stream"] = False
+    feedback.plan(ctx)
+    lease = proxy.registry.lease("a")
+    feedback.sent(ctx, lease, 100)
+    assert lease.on_first_byte is None
+
+
 def test_failed_requests_and_answers_without_usage_teach_no_speed() -> None:
     proxy = make_proxy(FakeTransport())
     feedback = RoutingFeedback(proxy.registry, PARAMS)

@@ -158,3 +158,25 @@ def test_a_span_that_prefilled_nothing_is_no_sample() -> None:
     assert s.prefill_tps == {"a": DEFAULT_PREFILL_TPS}
     s.prefill_span("a", 1000, 0.2, 0.45, now=1.0)  # the span it would have covered is still free: counted
     assert s.prefill_tps["a"] == pytest.approx(2000 / (0.25 + 1000 / 4000))
+
+
+def test_spans_merged_at_their_first_bytes_give_each_request_its_own_prefill_time() -> None:
+    # A head of 2400 tokens sent at 0, two twins that find it cached (13 tokens each) sent at 0.1 and 0.2 to
+    # a serial engine at 4000 tok/s: first bytes at 0.6, 0.60325, 0.6065. The twins' answers end first.
+    sends = _serial_engine([(0.0, 2400), (0.1, 13), (0.2, 13)], 4000.0)
+    at_first_byte = SpeedEstimator({"a": 1.0, "b": 1.0}, half_life_s=15.0)
+    busy = [at_first_byte.busy("a", sent, first) for _tokens, sent, first in sends]
+    assert busy == pytest.approx([0.6, 0.00325, 0.00325])
+    for i in (2, 1):  # the twins' samples come first: each with its own time
+        at_first_byte.prefill_busy("a", sends[i][0], busy[i], now=1.0)
+    assert at_first_byte.prefill_tps["a"] == pytest.approx(4000.0)
+    at_first_byte.prefill_busy("a", 2400, busy[0], now=1.5)
+    assert at_first_byte.prefill_tps["a"] == pytest.approx(4000.0)
+    # Merged as the samples came, the first twin took the head's prefill time for its 13 tokens.
+    at_finish = SpeedEstimator({"a": 1.0, "b": 1.0}, half_life_s=15.0)
+    for tokens, sent, first in (sends[2], sends[1]):
+        at_finish.prefill_span("a", tokens, sent, first, now=1.0)
+    assert at_finish.prefill_tps["a"] < 100.0
+    assert at_first_byte.busy("zz", 0.0, 1.0) == 0.0  # an unknown backend
+    at_first_byte.prefill_busy("a", 0, 0.5, now=2.0)  # a request that prefilled nothing: no sample
+    assert at_first_byte.prefill_tps["a"] == pytest.approx(4000.0)

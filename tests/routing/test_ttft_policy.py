@@ -154,6 +154,16 @@ def test_structural_overload_moves_the_pin() -> None:
     assert (d.backend, d.reason, d.pin, d.uncached_tokens) == ("x", Reason.MOVE_CHEAPER, PinAction.MOVE, 3000)
 
 
+def test_a_move_pays_its_prefill_there_twice() -> None:
+    # Home "p" busier in the long run (2 other active conversations) with a 10000-token queue: 10.3 s; "x"
+    # 3 s there + the 2.7 s it reads there beyond home's 300 tokens, once more (the wait it adds there) +
+    # the 60 % margin (6.18 s) = 11.88 s: stays (by its own wait alone it moved).
+    d = policy().select([cand("p", active=3, prefilling=10_000), cand("x")], req(pinned="p"), NOW)
+    assert (d.backend, d.reason, d.pin) == ("p", Reason.AFFINITY_HIT, PinAction.TOUCH)
+    d = policy().select([cand("p", active=3, prefilling=20_000), cand("x")], req(pinned="p"), NOW)
+    assert (d.backend, d.reason, d.pin) == ("x", Reason.MOVE_CHEAPER, PinAction.MOVE)
+
+
 def test_moving_a_twin_hint_claims_instead_of_moving() -> None:
     d = policy().select([cand("t", active=20, prefilling=20_000), cand("x")], req(hint="t"), NOW)
     assert (d.reason, d.pin) == (Reason.MOVE_CHEAPER, PinAction.CLAIM)
