@@ -172,8 +172,14 @@ class RoutingFeedback:
         """Active conversations per backend: what the ttft policy counts where affinity counts pins. Also
         publishes those competing for each backend's KV cache (``Backend.competing``): the active ones whose
         pause is within ``COMPETING_PAUSES`` typical pauses; only once an engine reports its KV cache size
-        (the cost model reads them only for an engine that does)."""
+        (the cost model reads them only for an engine that does). Called before every decision: it first
+        publishes the rates learned since the last refresh, once ``_REFRESH_S`` has passed (``observe``
+        refreshes only when a request finishes: the samples of a burst's last ones waited for the next one).
+        """
         now = self.clock()
+        speeds = self.speeds
+        if speeds.dirty and speeds.refresh(now):  # no call while nothing is new
+            self._publish_rates(now)
         active = self.active
         counts = active.live_counts(now)
         backends = self.registry.backends.values()

@@ -208,6 +208,26 @@ def test_a_request_that_does_not_stream_is_not_timed_at_its_first_byte() -> None
     assert lease.on_first_byte is None
 
 
+def test_rates_learned_within_the_refresh_interval_are_published_before_the_next_decision() -> None:
+    # Two requests finish 0.1 s apart: the second one's sample is summed but not recomputed (within the
+    # refresh interval), and no request finishes after it. The next decision (``conversations``, read before
+    # every one) still sees it.
+    proxy = make_proxy(FakeTransport())
+    now = [100.0]
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: now[0])
+    feedback.observe(observation(feedback, usage=Usage(10_000, 41, 8000)))  # 2000 tokens in 1 s
+    a = proxy.registry.backends["a"]
+    first = a.prefill_tps
+    now[0] = 100.1
+    feedback.observe(observation(feedback, usage=Usage(30_000, 41, 0)))  # 30000 tokens in 1 s
+    assert a.prefill_tps == first  # summed, not yet published
+    feedback.conversations()
+    assert a.prefill_tps == first  # still within the refresh interval
+    now[0] = 101.0
+    feedback.conversations()
+    assert a.prefill_tps == pytest.approx(feedback.speeds.prefill_tps["a"]) and a.prefill_tps > 2 * first
+
+
 def test_failed_requests_and_answers_without_usage_teach_no_speed() -> None:
     proxy = make_proxy(FakeTransport())
     feedback = RoutingFeedback(proxy.registry, PARAMS)
