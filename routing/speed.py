@@ -150,10 +150,7 @@ class SpeedEstimator:
         overhead, would make the engines given more cached requests look slower)."""
         if tokens < 1 or backend not in self.weights:
             return
-        busy = self._busy.get(backend)
-        if busy is None:
-            busy = self._busy[backend] = BusyTime()
-        self._add_prefill(backend, tokens, busy.add(start, end), now)
+        self._add_prefill(backend, tokens, self.busy(backend, start, end), now)
 
     def busy(self, backend: str, start: float, end: float) -> float:
         """Merge a request's span (sent at ``start``, first byte at ``end``) into the backend's busy time
