@@ -308,8 +308,12 @@ class RoutingFeedback:
                 self.speeds.prefill_span(obs.backend, uncached, start, end, now)
         next_key = obs.key
         if not info.first_turn:
+            # What the turn added to the conversation (its tail), not what it cost: a cold re-prefill of the
+            # whole history on an evicting engine is no bigger a conversation (the pressure term prices it).
+            grown = int(info.tail_chars / self.chars_per_token.value)
+            grew = grown if 0 < grown < uncached else uncached
             e = self.turn_tokens
-            e.value += e.alpha * (uncached - e.value)
+            e.value += e.alpha * (grew - e.value)
         elif replied is not None and not info.own_key:
             next_key = replied
             self.replies.move(next_key, obs.backend, now)

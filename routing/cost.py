@@ -14,8 +14,14 @@
   (``kv_capacity``, when the engine reports it).
 - ``queued``: prefill work ahead of it: this gateway's requests there that have not had a first byte, or the
   engine's own waiting queue (times a turn's tokens) when it reports one and that is larger.
-- ``load``: active conversations (between turns, idle pins excluded) and requests in flight each bring
-  about one turn's tokens soon; counting them spreads new conversations before the queue shows it.
+- ``load``: the other conversations sharing it (``sharing``: where the engine reports its KV cache size, those
+  still between turns, ``Candidate.competing``; else every active one, idle pins excluded) and requests in
+  flight each bring about one turn's tokens soon; counting them spreads new conversations before the queue
+  shows it. (Counting every active one where the competing ones are known put finished conversations, which
+  linger among the active ones for the whole active window, into the load: on the pressure bench the
+  large-cache engines, whose conversations finish sooner, were charged 6-8 conversations where 2-4 still
+  ran, and new ones queued on the small caches: follow-up TTFT 1299 ms against 1253 ms counting only the
+  competing ones, one round each; distinct and fleet 1.015x, within a round's noise.)
   (Retention is deliberately not in the load term: charging each active conversation of an evicting engine
   the history it lost sent new conversations to the large-cache engines until those queued: measured worse
   than without, see the routing notes.)
@@ -29,8 +35,7 @@
   evicting each other. (Measured on the pressure bench against charging only the arriving conversation
   its ``overflow``: turn-1 p95 2.7 s against 3.2-3.7 s, follow-up TTFT the same. The whole overflow once,
   not once per conversation, was measured worse: a thrashed cache was still credited with its size, so
-  new conversations kept off the small caches until the large ones queued. Counting the competing ones in
-  the turn load too no longer balanced sequential new conversations by count; distinct 1.09x main.)
+  new conversations kept off the small caches until the large ones queued.)
 
 Pure arithmetic on plain values; no allocation unless a ``Cost`` is asked for.
 """
@@ -119,8 +124,9 @@ def queued_tokens(c: Candidate, turn_tokens: int) -> int:
 
 
 def load_tokens(c: Candidate, request: RouteRequest) -> int:
-    """The next turns of its active conversations and requests in flight, and its cache pressure."""
-    return (c.conversations + c.in_flight) * request.turn_tokens + pressure_tokens(c, request)
+    """The next turns of the other conversations sharing it (``sharing`` less this one: those still between
+    turns where known, else every active one, and the requests in flight), and its cache pressure."""
+    return (sharing(c, request) - 1) * request.turn_tokens + pressure_tokens(c, request)
 
 
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
@@ -133,11 +139,11 @@ def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     waiting = c.waiting * turn if c.waiting > 0 else 0
     queued = c.prefilling if c.prefilling >= waiting else waiting
     prompt = request.prompt_tokens
-    load = (c.conversations + c.in_flight) * turn
+    n = sharing(c, request)
+    load = (n - 1) * turn
     capacity = c.kv_capacity
     if capacity > 0:
         size = prompt + turn
-        n = sharing(c, request)
         over = n * size - capacity
         if over > 0:
             load += n * (size if size < over else over)

@@ -145,6 +145,28 @@ def test_observations_teach_prefill_and_decode_rates_and_the_turn_size() -> None
     assert feedback.chars_per_token.value == pytest.approx(4.0)
 
 
+def test_the_turn_size_is_what_a_follow_up_added_not_a_cold_re_prefill_of_its_history() -> None:
+    proxy = make_proxy(FakeTransport())
+    clock = iter(range(100, 200))
+    feedback = RoutingFeedback(proxy.registry, PARAMS, clock=lambda: float(next(clock)))
+
+    def follow_up(tail_chars: int, cached: int) -> Observation:
+        info = RouteInfo("head", False, 40_000, 8000, tail_chars, uncached_tokens=5000)
+        return observation(feedback, route=info, usage=Usage(10_000, 41, cached))
+
+    # A cold re-prefill (an evicting engine): 9000 uncached, but the turn appended only its 2400-char tail
+    # (600 tokens at the learned 4 characters a token): the conversation grew by 600.
+    feedback.observe(follow_up(2400, 1000))
+    assert feedback.turn_tokens.value == pytest.approx(600.0)
+    # Warm: fewer uncached than the tail (its head was cached): those 200.
+    feedback.observe(follow_up(2400, 9800))
+    assert feedback.turn_tokens.value == pytest.approx(600 - 400 * 0.05)
+    # No tail known (0): the uncached tokens, as before.
+    before = feedback.turn_tokens.value
+    feedback.observe(follow_up(0, 1000))
+    assert feedback.turn_tokens.value == pytest.approx(before + 0.05 * (9000 - before))
+
+
 def test_a_request_that_waited_behind_another_adds_only_the_engines_busy_time() -> None:
     # Two requests sent to "a" at 10 and 10.5; the engine prefilled 4000 tokens for the first (first byte at
     # 11) then 2000 for the second (first byte at 11.5). Both finish at 14, the second observed first.

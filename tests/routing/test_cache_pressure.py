@@ -8,6 +8,7 @@ import pytest
 from routing.cost import (
     cached_tokens,
     cost,
+    load_tokens,
     lost_history,
     overflow_tokens,
     pressure_tokens,
@@ -224,7 +225,9 @@ def test_the_conversations_competing_for_the_cache_replace_the_active_ones_when_
     recent = lingering._replace(competing=2)
     assert sharing(recent, r) == 3 and overflow_tokens(recent, r) == 0
     assert total_s(recent, r, 2.0) == cost(recent, r, 2.0).total_s
-    assert cost(recent, r, 2.0).load_s == pytest.approx(6 * 600 * 2.0 / 1000)  # the load term: all active
+    # The load term too: the 2 still competing bring their next turns, not the 4 finished ones lingering.
+    assert cost(recent, r, 2.0).load_s == pytest.approx(2 * 600 * 2.0 / 1000)
+    assert cost(lingering, r, 2.0).load_s == pytest.approx((6 * 600 + 7 * 3600) * 2.0 / 1000)  # unknown: all
     flying = recent._replace(in_flight=2)
     assert sharing(flying, r) == 5 and overflow_tokens(flying, r) == 2000  # in flight hold KV blocks too
 
@@ -248,3 +251,40 @@ def test_a_new_conversation_skips_a_large_cache_full_only_of_finished_conversati
     # Only 2 of its 6 still compete: it has room.
     d = POLICY.select([small, large._replace(competing=2)], r, 0.0)
     assert (d.backend, d.reason) == ("large", Reason.NEW_CHEAPEST)
+
+
+def test_the_load_term_counts_the_others_sharing_the_cache_not_the_lingering_active_ones() -> None:
+    r = req(prompt_tokens=3000, turn_tokens=600)  # 3600 each: 4 fit in 16,000
+    big = 16_000
+    # Unknown competing counts: every active one and those in flight, as before.
+    unknown = cand("a", active=5, capacity=big)._replace(in_flight=1)
+    assert load_tokens(unknown, r) == 6 * 600 + pressure_tokens(unknown, r)
+    # Known: the competing ones and those in flight; the 8 active include finished ones.
+    known = cand("a", active=8, capacity=big)._replace(competing=1, in_flight=1)
+    assert load_tokens(known, r) == 2 * 600 and pressure_tokens(known, r) == 0
+    # At home this conversation is one of the competing ones: not its own load.
+    assert load_tokens(known, req(prompt_tokens=3000, turn_tokens=600, pinned="a")) == 1 * 600
+    assert load_tokens(known, req(prompt_tokens=3000, turn_tokens=600, hint="a")) == 1 * 600
+    # A home it is not counted in (idle for longer than the competing window): the others only.
+    idle = known._replace(competing=0)
+    assert load_tokens(idle, req(prompt_tokens=3000, turn_tokens=600, pinned="a")) == 1 * 600
+    # Over capacity the pressure comes on top: 6 sharing x 3600 = 21,600, over by 5600 > a size.
+    full = known._replace(competing=4)
+    assert load_tokens(full, r) == 5 * 600 + 6 * 3600
+    for c in (unknown, known, idle, full):
+        for rr in (r, req(prompt_tokens=3000, turn_tokens=600, pinned="a")):
+            assert total_s(c, rr, 2.0) == cost(c, rr, 2.0).total_s
+            assert cost(c, rr, 2.0).load_s == pytest.approx(load_tokens(c, rr) * 2.0 / 1000)
+
+
+def test_a_new_conversation_goes_where_fewer_still_run_not_where_fewer_were_active_lately() -> None:
+    # "quick" finished 6 of its 7 active conversations (they linger in the active window); "slow" still
+    # runs both of its 2. Caches large enough for all: the load term alone decides.
+    r = req(prompt_tokens=3000, turn_tokens=600)
+    quick = cand("quick", active=7, capacity=200_000)._replace(competing=1)
+    slow = cand("slow", active=2, capacity=200_000)._replace(competing=2)
+    d = POLICY.select([quick, slow], r, 0.0)
+    assert (d.backend, d.reason, d.pin) == ("quick", Reason.NEW_CHEAPEST, PinAction.CLAIM)
+    # Without competing counts (no engine reports its cache size) the active ones decide, as before.
+    unknown = [c._replace(competing=-1, kv_capacity=0) for c in (quick, slow)]
+    assert POLICY.select(unknown, r, 0.0).backend == "slow"
