@@ -93,13 +93,14 @@ class StreamGuard:
                     return False
                 data = events[0] if len(events) == 1 else b"".join(events)
         end = len(data)
-        if self.tripped is None and self._pieces(data, end):
-            return True
-        # ``find``, not ``in`` (gateway/sse.py says why); most events carry ``null`` there
+        tripped = self.tripped is None and self._pieces(data, end)
+        # ``find``, not ``in`` (gateway/sse.py says why); most events carry ``null`` there. Looked at in the
+        # read that trips too: under load the answer's last events come in that read, and ``record`` sends
+        # them on (``end`` drops what it cuts: ``_GuardFilter.events``).
         compact, spaced = self._finish_strings
         if data.find(compact) >= 0 or data.find(spaced) >= 0:
             self._finish_reasons(data, end)
-        return False
+        return tripped
 
     def unit(self) -> str:
         """The repeated delta, for a log line or an error message (cut short)."""
@@ -239,7 +240,9 @@ class _GuardFilter(BodyFilterBase):
 
     def events(self, pieces: Pieces) -> Pieces:
         if self.guard.inspect(pieces) and self._tripped():
-            # The tripping event is not sent; the engine answered, so this is no breaker failure.
+            # The tripping event is not sent (nor what came after it in the read: its finish reason is not
+            # the answer's); the engine answered, so this is no breaker failure.
+            self.guard.finish.clear()
             raise UpstreamError(
                 f"backend {self.backend} output degenerated: {self.guard.unit()!r} repeated; stream ended"
             )

@@ -71,6 +71,13 @@ def test_events_split_across_reads_and_packed_into_one_read() -> None:
     assert stream[: hits[0] + 1].endswith(event(" on"))
 
 
+def test_the_read_that_trips_has_its_finish_reason_counted_too() -> None:
+    # Under load the engine's last events come in one read with the tripping one (``record`` sends them on).
+    g = guard(repeat_count=4, max_period=1)
+    assert g.feed(event("go") + event(" duct") * 4 + event(None, "length") + b"data: [DONE]\n\n") is True
+    assert g.tripped == b"duct" and g.finish == ["length"]
+
+
 def test_finish_reasons_are_counted_once_and_bounded() -> None:
     stream = (
         event("a") + event("b", None) + event(None, "length") + event(None, "weird") + b"data: [DONE]\n\n"
