@@ -30,6 +30,28 @@ def test_holders_are_bounded_least_recently_recorded_first() -> None:
     assert (h.get("k1"), h.get("k2"), h.get("k3")) == ({"a", "b"}, frozenset(), {"a"})
 
 
+def test_holders_past_the_bound_drop_the_oldest_keys_in_one_batch() -> None:
+    # 128 keys: a batch is 2 (128 // 64). Key 0 is recorded again last, so the oldest are 1 and 2.
+    h = HeadHolders(max_entries=128)
+    for i in range(128):
+        h.add(f"k{i}", "a")
+    h.add("k0", "b")
+    h.add("k128", "a")  # one past the bound: a batch goes, the two least recently recorded
+    assert len(h) == 127
+    assert h.get("k1") == h.get("k2") == frozenset()
+    assert h.get("k3") == {"a"} and h.get("k0") == {"a", "b"} and h.get("k128") == {"a"}
+    h.add("k129", "a")  # within the bound again: nothing more goes
+    assert len(h) == 128 and h.get("k3") == {"a"}
+
+
+def test_holders_stay_bounded_over_many_trims() -> None:
+    h = HeadHolders(max_entries=100)  # a batch of 1: exactly the latest 100 kept
+    for i in range(10_000):
+        h.add(f"k{i}", "a", first_turn=True)
+        assert len(h) == min(i + 1, 100)
+    assert [h.latest(f"k{i}") for i in (9_899, 9_900, 9_999)] == [None, "a", "a"]
+
+
 def test_shape_counts_head_and_the_tail_since_the_last_reply() -> None:
     msgs = [
         {"role": "system", "content": "s" * 100},
