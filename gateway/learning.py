@@ -9,7 +9,8 @@
   whose last answer ended within ``active_window_s`` (in flight ones count through their leases; pins
   idle for longer do not count at all);
 - after sending (``sent``): the request's uncached tokens queue on its backend until the first byte;
-- in ``finish`` (``observe``, an ``Observer``): learned prefill and decode rates (``routing.speed``), the
+- in ``finish`` (``observe``, an ``Observer``): learned prefill rates (``routing.speed``; no decode rates:
+  no decision, metric or view reads them, and learning them was a sample per request), the
   typical turn size, the reply index, head holders confirmed or dropped by the reported cached tokens, and
   each backend's cache retention (``routing.retention``: what a follow-up sent home found cached there).
   Rates and retention reach the backends (the candidates' snapshot) when the speeds are recomputed, at most
@@ -288,9 +289,6 @@ class RoutingFeedback:
                     self._held(info, obs.backend, usage.prompt_tokens, usage.cached_tokens, now)
             if self.kv is not None:
                 self._kv_learn(obs, info, usage, replied)
-            ttft = obs.first_byte_s
-            if ttft is not None and usage.completion_tokens > 1 and obs.duration_s > ttft:
-                self.speeds.decode(obs.backend, usage.completion_tokens - 1, obs.duration_s - ttft, now)
         fb = obs.first_byte_s
         if fb is not None and usage is not None and obs.streamed:
             # Only streams that report usage teach speed: anything else (a passthrough GET, a stream
