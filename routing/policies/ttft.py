@@ -8,7 +8,8 @@ Costs come from ``routing.cost`` (queue ahead + uncached prompt / prefill rate +
                                            term; elsewhere plus the re-prefill its arrival causes where the
                                            KV cache is full) is lower elsewhere by the margin
                                            (affinity_hit: touch the pin, or claim the hint)
-  - home no busier than there in the long run (load term): its queue drains and it keeps the history:
+  - home no busier than there in the long run (load term less the requests in flight, which the
+    queue term counts): its queue drains and it keeps the history:
     a one-off spill, the pin stays, if it still wins after paying the re-read of this turn's tail at
     home on the next turn (the spilled turn is not cached there) and its prefill there once more (the
     wait it adds to whatever arrives there next)                        (spill_overload)
@@ -116,7 +117,14 @@ class TtftPolicy:
         margin = _MIN_MARGIN_S if lost else max(_MIN_MARGIN_S, self.stay_margin * stay_now)
         if there_now + margin >= stay_now:
             return self._decide(home, _HIT, keep, ready, request)
-        if stay.load_s <= there.load_s and not lost:
+        # The long run is the load term less the requests in flight: those wait in the queue term already,
+        # and a queue keeps requests in flight longer (in flight = arrivals x time there), so a passing
+        # queue counted twice made home look busier for good. (With it, twins moved to a head holder for
+        # a queue that then drained: identical-2x16-long, one move in about half the rounds, where home had
+        # four requests in flight and two conversations between turns, the holder two and two.)
+        turn_s = request.turn_tokens * self.load_share
+        standing_home = stay.load_s - home.in_flight * turn_s / rate(home)
+        if standing_home <= there.load_s - best.in_flight * turn_s / rate(best) and not lost:
             # Home is no busier in the long run: its queue drains, and it still holds the history. A spill
             # leaves this turn out of home's cache, so the next turn there reads this tail again: the
             # spill pays it too. (Without it, twins spilled to a head holder for the few hundred tokens

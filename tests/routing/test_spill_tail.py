@@ -86,3 +86,24 @@ def test_a_home_busier_by_one_conversation_moves_the_pin_rather_than_spilling() 
     cands = [cand("home", active=6, prefilling=2000), cand("other", active=4)]
     d = ttft().select(cands, twin_turn_2(pinned="home", hint=None), NOW)
     assert (d.backend, d.reason, d.pin) == ("other", Reason.MOVE_CHEAPER, PinAction.MOVE)
+
+
+def test_requests_in_flight_behind_a_queue_do_not_make_home_busier_for_good() -> None:
+    # Measured (identical-2x16-long, a ~3000-token later turn): home had 8030 tokens queued and four
+    # requests in flight, a head holder 1676 and two; both had two conversations between turns. Counted in
+    # the load term as well as in the queue, the in-flight ones made home "busier for good" and the twin
+    # moved (cold) for a queue that drained. In flight is the queue's: home is no busier, and a spill
+    # that re-reads the 2296-token tail at home next turn does not pay: it stays.
+    def engine(id_: str, in_flight: int, prefilling: int, waiting: int) -> Candidate:
+        return Candidate(id_, BackendState.READY, in_flight, 4, 1.0, prefilling, 3840.0, waiting,
+                         kv_capacity=200_000, competing=2)  # fmt: skip
+
+    cands = [engine("home", 4, 8030, 3), engine("other", 2, 1676, 0)]
+    request = twin_turn_2(prompt_tokens=5216, head_tokens=2861, tail_tokens=2296, turn_tokens=2833,
+                          holders=frozenset({"home", "other"}))  # fmt: skip
+    d = ttft().select(cands, request, NOW)
+    assert (d.backend, d.reason, d.pin) == ("home", Reason.AFFINITY_HIT, PinAction.CLAIM)
+    # The same queue with the extra requests in flight as conversations between turns: busier for good.
+    busier = [engine("home", 2, 8030, 3)._replace(competing=4), engine("other", 2, 1676, 0)]
+    d = ttft().select(busier, request, NOW)
+    assert (d.backend, d.reason, d.pin) == ("other", Reason.MOVE_CHEAPER, PinAction.CLAIM)
