@@ -129,6 +129,13 @@ def load_tokens(c: Candidate, request: RouteRequest) -> int:
     return (sharing(c, request) - 1) * request.turn_tokens + pressure_tokens(c, request)
 
 
+def in_flight_load_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
+    """The part of ``c``'s load term (``Cost.load_s``) its requests in flight bring: a turn's tokens each.
+    They wait in the queue term too, and a queue keeps requests in flight longer, so the policy takes this
+    off the load term where it asks which engine is busier in the long run."""
+    return c.in_flight * (request.turn_tokens * load_share) / rate(c)
+
+
 def total_s(c: Candidate, request: RouteRequest, load_share: float) -> float:
     """``cost(...).total_s`` without building the ``Cost``: the hot path's, once per candidate per decision.
 

@@ -30,7 +30,15 @@ Other ties go by the rendezvous tie-break, so every replica given the same snaps
 
 from __future__ import annotations
 
-from routing.cost import cost, lost_history, overflow_tokens, rate, total_s, uncached_tokens
+from routing.cost import (
+    cost,
+    in_flight_load_s,
+    lost_history,
+    overflow_tokens,
+    rate,
+    total_s,
+    uncached_tokens,
+)
 from routing.load import find, key_seed, rendezvous
 from routing.params import RoutingParams
 from routing.types import (
@@ -122,9 +130,8 @@ class TtftPolicy:
         # queue counted twice made home look busier for good. (With it, twins moved to a head holder for
         # a queue that then drained: identical-2x16-long, one move in about half the rounds, where home had
         # four requests in flight and two conversations between turns, the holder two and two.)
-        turn_s = request.turn_tokens * self.load_share
-        standing_home = stay.load_s - home.in_flight * turn_s / rate(home)
-        if standing_home <= there.load_s - best.in_flight * turn_s / rate(best) and not lost:
+        standing_home = stay.load_s - in_flight_load_s(home, request, self.load_share)
+        if standing_home <= there.load_s - in_flight_load_s(best, request, self.load_share) and not lost:
             # Home is no busier in the long run: its queue drains, and it still holds the history. A spill
             # leaves this turn out of home's cache, so the next turn there reads this tail again: the
             # spill pays it too. (Without it, twins spilled to a head holder for the few hundred tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.cost import cost, rate, total_s, uncached_tokens
+from routing.cost import cost, in_flight_load_s, rate, total_s, uncached_tokens
 from routing.params import DEFAULT_PREFILL_TPS, RoutingParams
 from routing.policies import make_policy
 from routing.policies.ttft import TtftPolicy
@@ -50,6 +50,14 @@ def test_cost_is_queue_plus_uncached_plus_active_load_over_rate() -> None:
     assert (got.queue_s, got.prefill_s, got.load_s) == (0.5, 3.0, 1.2)
     assert got.total_s == pytest.approx(4.7)
     assert total_s(c, req(turn_tokens=600), 1.0) == got.total_s
+
+
+def test_the_requests_in_flight_bring_a_turn_each_to_the_load_term() -> None:
+    # Two active between turns and three in flight: 5 x 600 tokens of load at 1000 tokens/s, load share 2;
+    # the three in flight are 3.6 s of the 6.0.
+    c = cand("a", active=2, tps=1000.0)._replace(in_flight=3)
+    assert cost(c, req(turn_tokens=600), load_share=2.0).load_s == 6.0
+    assert in_flight_load_s(c, req(turn_tokens=600), 2.0) == 3.6
 
 
 def test_pinned_backend_reads_only_the_tail_a_head_holder_the_rest_after_the_head() -> None:
